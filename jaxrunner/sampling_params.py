@@ -78,7 +78,8 @@ class SamplingParams:
                 _fail("stop_token_ids", self.stop_token_ids, "must be a list of ints")
             for token_id in self.stop_token_ids:
                 if not _is_int(token_id) or not 0 <= token_id < vocab_size:
-                    _fail("stop_token_ids", self.stop_token_ids, f"must be ints in [0, {vocab_size})")
+                    why = f"must be ints in [0, {vocab_size})"
+                    _fail("stop_token_ids", self.stop_token_ids, why)
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", self.ignore_eos, "must be a bool")
 
