@@ -1,0 +1,145 @@
+"""Token sampling for a padded batch of requests: one compiled executable for any mix of params.
+
+Reference semantics, per row r with raw logits `x` (f32[V]):
+
+- greedy (temperature 0, which `from_params` also uses for top_k == 1 and temperatures below
+  `GREEDY_TEMPERATURE`): token = argmax(x).
+- sampled: `z = x / temperature`, then three filters, each keeping the top token:
+  - top-k (k > 0): keep tokens with z >= the k-th largest z;
+  - top-p: with p = softmax(z restricted to the top-k set), sorted descending, keep the smallest
+    prefix whose cumulative probability is >= top_p (top_p == 1 keeps everything);
+  - min-p: keep tokens with softmax(z)_i >= min_p * max(softmax(z)) (ratios of probabilities do
+    not change under renormalisation, so this does not depend on the filters before it).
+  Ties at a cut-off value are all kept (the filters are thresholds on values, not ranks).
+  The token is drawn from softmax(z over the kept tokens) with the key
+  `fold_in(key(seed_r), step_r)`, so a request's draw depends only on its logits, params, seed and
+  step, never on its slot or on the other rows.
+- logprob = log_softmax(x)[token]: the model's own distribution, before temperature and filters.
+
+Speed: the full-vocabulary sort that top-k/top-p need is skipped with `lax.cond` when no sampled
+row has a filter on, and all random sampling is skipped when every row is greedy. The predicates
+are array values, so one executable per batch shape serves every mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters of a padded batch of R request slots; all fields are data."""
+
+    temperatures: jax.Array  # f32[R]; 0 = greedy
+    top_ps: jax.Array  # f32[R]; 1 = off
+    top_ks: jax.Array  # i32[R]; 0 = off (whole vocabulary)
+    min_ps: jax.Array  # f32[R]; 0 = off
+    seeds: jax.Array  # u32[R]; per request
+    steps: jax.Array  # i32[R]; tokens the request has sampled so far
+
+    @classmethod
+    def from_params(
+        cls,
+        params_list: list[SamplingParams],
+        steps: list[int],
+        seeds: list[int],
+        padded_size: int,
+    ) -> SamplingBatch:
+        """Packs verified params into host numpy arrays; rows past len(params_list) are greedy.
+
+        `seeds[i]` is request i's resolved seed (its `params.seed`, or one the engine drew), taken
+        modulo 2**32. No jax ops run here: the caller moves the batch with one `jax.device_put`.
+        """
+        n = len(params_list)
+        if not len(steps) == len(seeds) == n <= padded_size:
+            raise ValueError(
+                f"{n} params, {len(steps)} steps, {len(seeds)} seeds, padded_size {padded_size}"
+            )
+        temperatures = np.zeros(padded_size, np.float32)
+        top_ps = np.ones(padded_size, np.float32)
+        top_ks = np.zeros(padded_size, np.int32)
+        min_ps = np.zeros(padded_size, np.float32)
+        for i, p in enumerate(params_list):
+            if p.is_greedy:
+                continue  # leave the neutral greedy row, so it never asks for the sort
+            temperatures[i] = p.temperature
+            top_ps[i] = p.top_p
+            top_ks[i] = max(p.top_k, 0)  # -1 and 0 both mean off
+            min_ps[i] = p.min_p
+        seeds_u32 = np.zeros(padded_size, np.uint32)
+        seeds_u32[:n] = [s % 2**32 for s in seeds]
+        steps_i32 = np.zeros(padded_size, np.int32)
+        steps_i32[:n] = steps
+        return cls(temperatures, top_ps, top_ks, min_ps, seeds_u32, steps_i32)
+
+    @classmethod
+    def abstract(cls, padded_size: int) -> SamplingBatch:
+        """Shapes and dtypes of a batch of `padded_size` rows, for ahead-of-time lowering."""
+        f32 = jax.ShapeDtypeStruct((padded_size,), jnp.float32)
+        i32 = jax.ShapeDtypeStruct((padded_size,), jnp.int32)
+        u32 = jax.ShapeDtypeStruct((padded_size,), jnp.uint32)
+        return cls(f32, f32, i32, f32, u32, i32)
+
+
+def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """Picks one token per row; returns (token_ids i32[R], logprobs f32[R]).
+
+    `logits` is f32[R, V] (other float dtypes are upcast). See the module docstring for the exact
+    semantics. Pure and jittable; every branch is on array values.
+    """
+    logits = logits.astype(jnp.float32)  # [R, V]
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]
+    is_greedy = batch.temperatures < GREEDY_TEMPERATURE  # [R]
+    tokens = jax.lax.cond(
+        jnp.all(is_greedy),
+        lambda: greedy_tokens,
+        lambda: jnp.where(is_greedy, greedy_tokens, _sample_rows(logits, batch, is_greedy)),
+    )
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def _sample_rows(logits: jax.Array, batch: SamplingBatch, is_greedy: jax.Array) -> jax.Array:
+    """Draws from every row's filtered distribution (greedy rows give junk, overwritten later)."""
+    vocab = logits.shape[-1]
+    temperatures = jnp.where(is_greedy, 1.0, batch.temperatures)  # [R]; no division by 0
+    scaled = logits / temperatures[:, None]  # [R, V]
+    wants_filter = (
+        ((batch.top_ks > 0) & (batch.top_ks < vocab)) | (batch.top_ps < 1.0) | (batch.min_ps > 0.0)
+    )  # [R]
+    scaled = jax.lax.cond(
+        jnp.any(wants_filter & ~is_greedy),
+        lambda z: _filter(z, batch),
+        lambda z: z,
+        scaled,
+    )
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(batch.seeds, batch.steps)
+    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)  # [R]
+
+
+def _filter(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """Sets logits outside each row's top-k / top-p / min-p set to -inf; off filters keep all."""
+    vocab = scaled.shape[-1]
+    ranks = jnp.arange(vocab)  # [V]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [R, V]
+    k = jnp.where(batch.top_ks > 0, jnp.minimum(batch.top_ks, vocab), vocab)  # [R]
+    in_top_k = ranks[None, :] < k[:, None]  # [R, V]
+    # top-p on the distribution renormalised over the top-k set; exclusive cumsum < top_p keeps
+    # the smallest prefix reaching top_p, and always the first token since top_p > 0.
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)  # [R, V]
+    cum_before = jnp.cumsum(probs, axis=-1) - probs  # [R, V]
+    top_p_on = (batch.top_ps < 1.0)[:, None]
+    keep = in_top_k & (~top_p_on | (cum_before < batch.top_ps[:, None]))  # [R, V], a prefix
+    num_kept = jnp.sum(keep, axis=-1)  # [R], >= 1
+    cutoff = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)  # [R, 1]
+    # min-p: p_i >= min_p * p_max  <=>  z_i >= z_max + log(min_p); log(0) = -inf keeps all.
+    min_p_cutoff = sorted_desc[:, :1] + jnp.log(batch.min_ps)[:, None]  # [R, 1]
+    threshold = jnp.maximum(cutoff, min_p_cutoff)  # [R, 1]
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
