@@ -1,0 +1,213 @@
+"""Model configuration parsed from a Hugging Face `config.json`.
+
+`ModelConfig` holds exactly what the JAX model needs, with each architecture's quirks resolved here
+once (which projections carry a bias, whether a sliding window applies, where head_dim comes
+from), so the model code reads plain fields instead of re-deriving Hugging Face defaults.
+
+Both config forms in the wild are accepted: transformers 4 (`rope_theta` + `rope_scaling`) and
+transformers 5 (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Hugging Face's own defaults for keys that configs may leave out.
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_RMS_NORM_EPS = 1e-6
+# HF Mistral applies a 4096 sliding window when the key is absent (an explicit null disables it).
+_MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
+# HF Qwen3Config defaults head_dim to 128 rather than hidden/heads.
+_QWEN3_DEFAULT_HEAD_DIM = 128
+
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters: `theta` plus the optional frequency scaling."""
+
+    theta: float
+    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float | None = None  # llama3 only
+    high_freq_factor: float | None = None  # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3 only
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> RopeConfig:
+        """Reads rope parameters from a config dict in transformers 4 or 5 form."""
+        params = d.get("rope_parameters")
+        if params is not None:  # transformers 5
+            theta = params.get("rope_theta") or d.get("rope_theta") or _DEFAULT_ROPE_THETA
+            scaling = params
+        else:  # transformers 4
+            theta = d.get("rope_theta") or _DEFAULT_ROPE_THETA
+            scaling = d.get("rope_scaling") or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+        if rope_type == "default":
+            return cls(theta=float(theta))
+        if "factor" not in scaling:
+            raise ValueError(f"rope type {rope_type!r} needs 'factor' in its rope parameters")
+        if rope_type == "linear":
+            return cls(theta=float(theta), rope_type="linear", factor=float(scaling["factor"]))
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if key not in scaling:
+                raise ValueError(f"rope type 'llama3' needs {key!r} in its rope parameters")
+        original_max = scaling.get("original_max_position_embeddings", d.get("max_position_embeddings"))
+        if original_max is None:
+            raise ValueError("rope type 'llama3' needs 'original_max_position_embeddings'")
+        return cls(
+            theta=float(theta),
+            rope_type="llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(original_max),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What the model needs from a Hugging Face checkpoint's config.json.
+
+    `attention_bias` means q/k/v projections carry a bias; whether o_proj does too is the
+    `o_proj_bias` property (Qwen2: no; Llama/Qwen3: same as attention_bias).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias (Qwen2 biases q/k/v only)."""
+        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        """Reads `config.json` (and `generation_config.json` if present) from a checkpoint dir."""
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        d = _read_json(config_path)
+        generation_path = model_dir / "generation_config.json"
+        generation = _read_json(generation_path) if generation_path.is_file() else {}
+        try:
+            return cls.from_dict(d, generation_config=generation)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{config_path}: {e}") from e
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        """Builds a config from a parsed config.json dict (plus an optional generation config)."""
+        architectures = d.get("architectures") or []
+        if not architectures:
+            raise ValueError("config has no 'architectures' entry")
+        arch = architectures[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config is missing required key(s): {', '.join(missing)}")
+
+        heads = int(d["num_attention_heads"])
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            head_dim = _QWEN3_DEFAULT_HEAD_DIM if arch == "Qwen3ForCausalLM" else d["hidden_size"] // heads
+
+        if arch == "Qwen2ForCausalLM":
+            attention_bias = True
+        elif arch == "MistralForCausalLM":
+            attention_bias = False  # HF Mistral ignores attention_bias
+        else:
+            attention_bias = bool(d.get("attention_bias"))
+
+        if arch == "MistralForCausalLM":
+            sliding_window = d.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW)
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and d.get("use_sliding_window"):
+            sliding_window = d.get("sliding_window")
+        else:
+            sliding_window = None
+
+        eos = _as_id_tuple(d.get("eos_token_id")) + _as_id_tuple((generation_config or {}).get("eos_token_id"))
+        dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
+
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps") or _DEFAULT_RMS_NORM_EPS),
+            max_position_embeddings=int(d["max_position_embeddings"]),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings")),
+            attention_bias=attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            rope=RopeConfig.from_hf_config(d),
+            eos_token_ids=tuple(dict.fromkeys(eos)),  # merge, keep order, drop duplicates
+            bos_token_id=d.get("bos_token_id"),
+            torch_dtype=str(dtype).removeprefix("torch."),
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
