@@ -1,0 +1,25 @@
+"""Attention backends: `native` (plain XLA) and `pallas` (the kernels in `kernels_pallas`)."""
+
+import jax
+
+from jaxrunner.attention.base import AttentionBackend, AttentionConfig
+from jaxrunner.attention.native import NativeAttentionBackend
+
+
+def resolve_backend_name(name: str, platform: str | None = None) -> str:
+    """`auto` means Pallas on TPU and GPU, native XLA on CPU."""
+    if name != "auto":
+        return name
+    platform = platform or jax.default_backend()
+    return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "native"
+
+
+def create_attention_backend(name: str, config: AttentionConfig, *,
+                             interpret: bool = False) -> AttentionBackend:
+    name = resolve_backend_name(name)
+    if name == "native":
+        return NativeAttentionBackend(config)
+    if name == "pallas":
+        from jaxrunner.attention.pallas import PallasAttentionBackend  # needs kernels_pallas
+        return PallasAttentionBackend(config, interpret=interpret)
+    raise ValueError(f"unknown attention backend {name!r}; choose native, pallas or auto")

@@ -1,0 +1,75 @@
+"""The padded shapes the engine compiles, in one place.
+
+Every batch is padded to a `Bucket` before it reaches the device; the model runner compiles one
+executable per bucket at start-up and looks it up at run time (a miss is a bug, not a compile).
+Decode buckets are keyed by the padded batch size (SGLang's CUDA-graph batch sizes); extend
+buckets by padded token count and padded request count.
+"""
+
+from dataclasses import dataclass
+
+from jaxrunner.forward_mode import ForwardMode
+
+MIN_EXTEND_TOKENS = 32
+# Request counts of extend buckets grow by 4x: few requests per prefill step is the common case,
+# and each extra size is one more executable to compile at start-up.
+EXTEND_REQS_GROWTH = 4
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """The static shape of one compiled step."""
+
+    mode: ForwardMode     # DECODE or EXTEND
+    num_tokens: int       # padded token count T
+    num_reqs: int         # padded request count R
+
+    def __post_init__(self):
+        if self.mode == ForwardMode.DECODE and self.num_tokens != self.num_reqs:
+            raise ValueError(f"a decode bucket has one token per request, got {self}")
+
+
+def _powers_of(base: int, lo: int, hi: int) -> list[int]:
+    """`lo, lo*base, ...` below `hi`, then `hi` itself."""
+    sizes, size = [], lo
+    while size < hi:
+        sizes.append(size)
+        size *= base
+    sizes.append(hi)
+    return sizes
+
+
+def decode_buckets(max_running_requests: int) -> list[Bucket]:
+    """Batch sizes 1, 2, 4, ... up to `max_running_requests`."""
+    return [Bucket(ForwardMode.DECODE, b, b) for b in _powers_of(2, 1, max_running_requests)]
+
+
+def extend_buckets(max_prefill_tokens: int, max_running_requests: int) -> list[Bucket]:
+    """Token counts 32, 64, ... up to `max_prefill_tokens`, each with request counts
+    1, 4, 16, ... up to min(tokens, max_running_requests)."""
+    token_sizes = _powers_of(2, min(MIN_EXTEND_TOKENS, max_prefill_tokens), max_prefill_tokens)
+    buckets = []
+    for tokens in token_sizes:
+        max_reqs = min(tokens, max_running_requests)
+        for reqs in _powers_of(EXTEND_REQS_GROWTH, 1, max_reqs):
+            buckets.append(Bucket(ForwardMode.EXTEND, tokens, reqs))
+    return buckets
+
+
+def all_buckets(max_prefill_tokens: int, max_running_requests: int) -> list[Bucket]:
+    return (decode_buckets(max_running_requests)
+            + extend_buckets(max_prefill_tokens, max_running_requests))
+
+
+def pick_bucket(buckets: list[Bucket], mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
+    """The smallest bucket of `mode` that holds the batch (fewest padded tokens, then requests)."""
+    fitting = [b for b in buckets
+               if b.mode == mode and b.num_tokens >= num_tokens and b.num_reqs >= num_reqs]
+    if not fitting:
+        raise ValueError(f"no {mode.name} bucket holds {num_tokens} tokens and {num_reqs} requests")
+    return min(fitting, key=lambda b: (b.num_tokens, b.num_reqs))
+
+
+def sample_batch_sizes(buckets: list[Bucket]) -> list[int]:
+    """The padded request counts the sampler is compiled for."""
+    return sorted({b.num_reqs for b in buckets})

@@ -1,0 +1,77 @@
+"""Engine configuration: one frozen dataclass with defaults, documented in one place.
+
+The CLI and the offline `Engine(**kwargs)` both build an `EngineArgs`; nothing reads environment
+variables of our own.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "native", "pallas")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything that shapes the engine: model, memory, batching and compilation."""
+
+    model_path: str
+    # Weights and activations dtype; "auto" takes the checkpoint's `torch_dtype`.
+    dtype: str = "auto"
+    # KV cache dtype; "auto" follows `dtype`.
+    kv_cache_dtype: str = "auto"
+    tokenizer_path: str | None = None
+    skip_tokenizer_init: bool = False
+    # Longest sequence (prompt + output) served; defaults to `max_position_embeddings`.
+    context_length: int | None = None
+
+    # Memory. KV capacity is `max_total_tokens` when given, else `mem_fraction_static` of the
+    # device memory left after the weights (on CPU: of available host memory, capped).
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.8
+    # How many requests decode together (also the largest decode bucket).
+    max_running_requests: int = 64
+    # Token budget of one prefill step (the largest extend bucket); longer prompts are split into
+    # chunks of this size.
+    max_prefill_tokens: int = 2048
+
+    attention_backend: str = "auto"
+    # Run the Pallas kernels in interpret mode (CPU tests).
+    pallas_interpret: bool = False
+
+    # Compilation. Every bucket is compiled at start-up; `disallow_compile_after_warmup` makes any
+    # later compile raise instead of silently stalling a step.
+    compilation_cache_dir: str | None = None
+    disallow_compile_after_warmup: bool = False
+    show_progress: bool = True
+
+    # Seeds the random seeds of requests that don't bring their own.
+    random_seed: int = 0
+
+    def __post_init__(self):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
+                             f"page of {self.page_size} tokens")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        """Builds args from keyword arguments, naming any that `EngineArgs` does not know."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)

@@ -1,0 +1,224 @@
+"""ModelRunner: owns the model, the KV memory, the attention backend and the compiled executables.
+
+Initialisation follows SGLang's order: load model -> configure KV dtype -> init memory pool ->
+init attention backend -> precompile (SGLang's CUDA-graph capture). `forward` replays the
+executable of the batch's bucket; `sample` is a separate executable per padded request count.
+It knows nothing about scheduling policy.
+"""
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxrunner.attention import AttentionConfig, create_attention_backend, resolve_backend_name
+from jaxrunner.buckets import Bucket, all_buckets, sample_batch_sizes
+from jaxrunner.compile_guard import CompileMonitor
+from jaxrunner.config import EngineArgs
+from jaxrunner.forward_batch import ForwardBatch, compute_positions
+from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
+from jaxrunner.memory_pool import (PageAllocator, ReqToTokenPool, TokenToKVPool,
+                                   available_kv_memory, kv_bytes_per_token)
+from jaxrunner.sampler import SamplingBatch, sample
+from models import model_class
+from models.config import ModelConfig
+from models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LogitsOutput:
+    next_token_logits: jax.Array  # f32[R, V]: logits of each request's last token
+    hidden_states: jax.Array      # [T, D] with CaptureHiddenMode.FULL, [R, D] with LAST, else [0, D]
+
+
+def _resolve_dtype(name: str, cfg: ModelConfig):
+    if name == "auto":
+        name = cfg.torch_dtype if cfg.torch_dtype in ("float32", "bfloat16") else "bfloat16"
+    return jnp.dtype(name)
+
+
+def _forward_step(graphdef, backend, state, kv_caches, fb: ForwardBatch):
+    """The compiled step: decoder over all tokens, logits at each request's last token."""
+    model = nnx.merge(graphdef, state)
+    hidden, kv_caches = model(fb, kv_caches, backend)
+    last_hidden = hidden[fb.last_token_indices]
+    if fb.capture_hidden_mode.is_full():
+        captured = hidden
+    elif fb.capture_hidden_mode.is_last():
+        captured = last_hidden
+    else:
+        captured = hidden[:0]
+    return LogitsOutput(model.compute_logits(last_hidden), captured), kv_caches
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig,
+                 compile_monitor: CompileMonitor | None = None):
+        self.args = args
+        self.model_config = model_config
+        self.device = jax.devices()[0]
+        self.compile_monitor = compile_monitor or CompileMonitor()
+        if args.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        self.context_len = args.context_length or model_config.max_position_embeddings
+        self.load_model()
+        self.configure_kv_cache_dtype()
+        self.init_memory_pool()
+        self.init_attention_backend()
+        self.buckets = all_buckets(args.max_prefill_tokens, args.max_running_requests)
+        self.precompile()
+
+    # ---- initialisation, in order ----
+
+    def load_model(self) -> None:
+        cfg = self.model_config
+        self.dtype = _resolve_dtype(self.args.dtype, cfg)
+        model = load_model(model_class(cfg), cfg, self.args.model_path, self.dtype)
+        self.graphdef, self.state = nnx.split(model)
+        self.weights_bytes = sum(x.nbytes for x in jax.tree.leaves(self.state))
+
+    def configure_kv_cache_dtype(self) -> None:
+        self.kv_cache_dtype = (self.dtype if self.args.kv_cache_dtype == "auto"
+                               else jnp.dtype(self.args.kv_cache_dtype))
+
+    def init_memory_pool(self) -> None:
+        cfg, args = self.model_config, self.args
+        per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                       cfg.head_dim, self.kv_cache_dtype)
+        if args.max_total_tokens is not None:
+            max_total_tokens = args.max_total_tokens
+        else:
+            budget = available_kv_memory(self.device, self.weights_bytes, args.mem_fraction_static)
+            max_total_tokens = budget // per_token
+            if self.device.platform == "cpu":
+                # Host memory is shared with everything else; more than every running request
+                # at full context buys nothing.
+                max_total_tokens = min(max_total_tokens,
+                                       args.max_running_requests * self.context_len)
+        num_pages = max_total_tokens // args.page_size + 1  # + the dummy page
+        if num_pages < 2:
+            raise ValueError(f"no memory left for the KV cache ({max_total_tokens} tokens); lower "
+                             f"mem_fraction_static's load or pass max_total_tokens")
+        self.max_total_tokens = (num_pages - 1) * args.page_size
+        self.max_pages_per_req = -(-self.context_len // args.page_size)
+        self.allocator = PageAllocator(num_pages)
+        # Requests that are prefilling also hold a slot, so allow one prefill batch on top.
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1,
+                                                self.max_pages_per_req)
+        self.token_to_kv_pool = TokenToKVPool(cfg.num_hidden_layers, num_pages, args.page_size,
+                                              cfg.num_key_value_heads, cfg.head_dim,
+                                              self.kv_cache_dtype)
+        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, args.page_size,
+                    self.token_to_kv_pool.bytes / 2**20)
+
+    def init_attention_backend(self) -> None:
+        cfg = self.model_config
+        self.attention_backend_name = resolve_backend_name(self.args.attention_backend,
+                                                           self.device.platform)
+        attn_config = AttentionConfig(
+            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.head_dim ** -0.5,
+            sliding_window=cfg.sliding_window)
+        self.attn_backend = create_attention_backend(self.attention_backend_name, attn_config,
+                                                     interpret=self.args.pallas_interpret)
+
+    def precompile(self) -> None:
+        """Compiles every bucket's step and sampler ahead of time (SGLang: CUDA-graph capture)."""
+        self._step_fn = jax.jit(partial(_forward_step, self.graphdef, self.attn_backend),
+                                donate_argnums=(1,))
+        self._sample_fn = jax.jit(sample)
+        self.executables: dict[tuple[Bucket, CaptureHiddenMode], object] = {}
+        self.sample_executables: dict[int, object] = {}
+        sizes = sample_batch_sizes(self.buckets)
+        progress = tqdm(total=len(self.buckets) + len(sizes), desc="compiling buckets",
+                        disable=not self.args.show_progress)
+        for bucket in self.buckets:
+            self._compile_step(bucket, CaptureHiddenMode.NULL)
+            # Warm the position computation of this shape (a cached jit, not an AOT executable).
+            self._warm_positions(bucket)
+            progress.update()
+        for size in sizes:
+            spec = SamplingBatch.abstract(size)
+            logits = jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32)
+            self.sample_executables[size] = self._sample_fn.lower(logits, spec).compile()
+            progress.update()
+        progress.close()
+        self.warm_compile_count = self.compile_monitor.count
+
+    def _compile_step(self, bucket: Bucket, capture: CaptureHiddenMode):
+        fb_spec = self.forward_batch_spec(bucket, capture)
+        compiled = self._step_fn.lower(self.state, self.token_to_kv_pool.kv_caches, fb_spec).compile()
+        self.executables[(bucket, capture)] = compiled
+        return compiled
+
+    def _warm_positions(self, bucket: Bucket) -> None:
+        zeros = jax.device_put(np.zeros((3, bucket.num_reqs), np.int32))
+        compute_positions(zeros[0], zeros[1], zeros[2], num_tokens=bucket.num_tokens)
+
+    def forward_batch_spec(self, bucket: Bucket, capture=CaptureHiddenMode.NULL) -> ForwardBatch:
+        """The abstract ForwardBatch of a bucket, for lowering."""
+        T, R, P = bucket.num_tokens, bucket.num_reqs, self.max_pages_per_req
+
+        def i32(*shape):
+            return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+        return ForwardBatch(
+            forward_mode=bucket.mode, capture_hidden_mode=capture, batch_size=R,
+            input_ids=i32(T), req_pool_indices=i32(R), seq_lens=i32(R), out_cache_loc=i32(T),
+            positions=i32(T), seq_lens_sum=i32(), extend_num_tokens=i32(),
+            extend_seq_lens=i32(R), extend_prefix_lens=i32(R), extend_start_loc=i32(R),
+            token_to_req=i32(T), page_table=i32(R, P))
+
+    # ---- serving ----
+
+    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        """Runs one step, dispatching by mode; updates the KV cache in place (donated)."""
+        if fb.forward_mode.is_idle():
+            return self._idle_output()
+        if fb.forward_mode.is_decode():
+            mode = ForwardMode.DECODE
+        elif fb.forward_mode.is_extend():
+            mode = ForwardMode.EXTEND
+        else:
+            raise ValueError(f"cannot run forward mode {fb.forward_mode.name}")
+        bucket = Bucket(mode, fb.num_tokens, fb.batch_size)
+        key = (bucket, fb.capture_hidden_mode)
+        executable = self.executables.get(key)
+        if executable is None:
+            if self.compile_monitor.forbidden or bucket not in self.buckets:
+                raise RuntimeError(f"no precompiled executable for {bucket} with capture mode "
+                                   f"{fb.capture_hidden_mode.name}")
+            # Hidden-state capture is compiled on first use: it is not a serving path.
+            executable = self._compile_step(bucket, fb.capture_hidden_mode)
+        output, kv_caches = executable(self.state, self.token_to_kv_pool.kv_caches, fb)
+        self.token_to_kv_pool.kv_caches = kv_caches
+        return output
+
+    def _idle_output(self) -> LogitsOutput:
+        # No request on this rank: nothing to run until data-parallel attention needs lock-step.
+        V, D = self.model_config.vocab_size, self.model_config.hidden_size
+        return LogitsOutput(np.zeros((0, V), np.float32), np.zeros((0, D), self.dtype))
+
+    def sample(self, logits_output: LogitsOutput, sampling: SamplingBatch):
+        """-> (token ids i32[R], logprobs f32[R]) on the device."""
+        logits = logits_output.next_token_logits
+        return self.sample_executables[logits.shape[0]](logits, sampling)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """Logits of captured hidden states (tests and tools; compiles per shape)."""
+        return _compute_logits(self.graphdef, self.state, hidden)
+
+
+@partial(jax.jit, static_argnums=0)
+def _compute_logits(graphdef, state, hidden):
+    return nnx.merge(graphdef, state).compute_logits(hidden)

@@ -1,0 +1,162 @@
+"""Host-side batches: `Req`, `ScheduleBatch` (requests and KV allocation) and `ModelWorkerBatch`
+(the padded numpy arrays one model step needs).
+
+ScheduleBatch never builds device arrays; ModelWorkerBatch pads to a bucket exactly once, and
+`ForwardBatch.init_new` moves it to the device in one transfer.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxrunner.buckets import Bucket
+from jaxrunner.forward_mode import ForwardMode
+from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
+from jaxrunner.sampler import SamplingBatch
+from jaxrunner.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request and its progress."""
+
+    rid: int
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    max_new_tokens: int            # sampling_params.max_new_tokens, capped by the context length
+    eos_token_ids: frozenset[int]
+    return_logprob: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    # Tokens whose KV is already in the cache: the prefix the next extend builds on.
+    num_computed_tokens: int = 0
+    finished_reason: dict | None = None
+    # Set when a stop string ended the request: the text, cut before the stop string.
+    stopped_text: str | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens `start:end` of prompt + output, without concatenating the whole sequence."""
+        n_in = len(self.origin_input_ids)
+        if start >= n_in:
+            return self.output_ids[start - n_in:end - n_in]
+        return self.origin_input_ids[start:end] + self.output_ids[:max(0, end - n_in)]
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= len(self.origin_input_ids)
+
+
+@dataclass
+class ModelWorkerBatch:
+    """The padded numpy arrays of one step; shapes set by `bucket` (T tokens, R requests)."""
+
+    bucket: Bucket
+    num_reqs: int                  # real requests; rows >= num_reqs are padding
+    num_tokens: int                # real tokens; slots >= num_tokens are padding
+    input_ids: np.ndarray          # i32[T]
+    out_cache_loc: np.ndarray      # i32[T]: KV slot of each token; padding -> the dummy page
+    req_pool_indices: np.ndarray   # i32[R]
+    seq_lens: np.ndarray           # i32[R]: KV length after this step; padding -> 0
+    extend_seq_lens: np.ndarray    # i32[R]: new tokens per request (1 in decode); padding -> 0
+    extend_prefix_lens: np.ndarray  # i32[R]: tokens already cached per request
+    page_table: np.ndarray         # i32[R, max_pages_per_req]
+    sampling: SamplingBatch        # numpy leaves, R rows
+
+    @property
+    def forward_mode(self) -> ForwardMode:
+        return self.bucket.mode
+
+
+class ScheduleBatch:
+    """The requests of one step and their KV allocation.
+
+    `extend_lens[i]` is how many of request i's tokens this step computes: the rest of its prompt
+    (or a chunk of it) in EXTEND, 1 in DECODE.
+    """
+
+    def __init__(self, reqs: list[Req], forward_mode: ForwardMode, extend_lens: list[int],
+                 req_to_token_pool: ReqToTokenPool, allocator: PageAllocator, page_size: int):
+        self.reqs = reqs
+        self.forward_mode = forward_mode
+        self.extend_lens = extend_lens
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def _new_pages(self, req: Req, n: int) -> int:
+        """Pages `req` must add so its next `n` tokens have KV slots."""
+        held = 0 if req.req_pool_idx is None else int(self.req_to_token_pool.num_pages[req.req_pool_idx])
+        return max(0, -(-(req.num_computed_tokens + n) // self.page_size) - held)
+
+    def pages_needed(self) -> int:
+        return sum(self._new_pages(req, n) for req, n in zip(self.reqs, self.extend_lens))
+
+    def alloc_kv(self) -> bool:
+        """Gives each request a slot and the pages for its new tokens; all or nothing."""
+        needs = [self._new_pages(req, n) for req, n in zip(self.reqs, self.extend_lens)]
+        pages = self.allocator.alloc(sum(needs))
+        if pages is None:
+            return False
+        for req, need in zip(self.reqs, needs):
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.req_to_token_pool.alloc_slot()
+            self.req_to_token_pool.append_pages(req.req_pool_idx, pages[:need])
+            pages = pages[need:]
+        return True
+
+    def get_model_worker_batch(self, bucket: Bucket) -> ModelWorkerBatch:
+        """Pads this step's arrays to `bucket`."""
+        T, R = bucket.num_tokens, bucket.num_reqs
+        num_reqs, num_tokens = len(self.reqs), self.num_tokens
+        if num_reqs > R or num_tokens > T:
+            raise ValueError(f"{num_reqs} requests / {num_tokens} tokens do not fit {bucket}")
+        input_ids = np.zeros(T, np.int32)
+        out_cache_loc = np.full(T, DUMMY_PAGE * self.page_size, np.int32)
+        req_pool_indices = np.zeros(R, np.int32)
+        seq_lens = np.zeros(R, np.int32)
+        extend_seq_lens = np.zeros(R, np.int32)
+        extend_prefix_lens = np.zeros(R, np.int32)
+        page_table = np.full((R, self.req_to_token_pool.max_pages_per_req), DUMMY_PAGE, np.int32)
+
+        start = 0
+        for i, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
+            prefix = req.num_computed_tokens
+            slot = req.req_pool_idx
+            input_ids[start:start + n] = req.tokens(prefix, prefix + n)
+            token_idx = np.arange(prefix, prefix + n)
+            pages = self.req_to_token_pool.page_table[slot]
+            out_cache_loc[start:start + n] = (pages[token_idx // self.page_size] * self.page_size
+                                              + token_idx % self.page_size)
+            req_pool_indices[i] = slot
+            seq_lens[i] = prefix + n
+            extend_seq_lens[i] = n
+            extend_prefix_lens[i] = prefix
+            page_table[i] = pages
+            start += n
+
+        sampling = SamplingBatch.from_params(
+            [r.sampling_params for r in self.reqs], steps=[len(r.output_ids) for r in self.reqs],
+            seeds=[r.seed for r in self.reqs], padded_size=R)
+        return ModelWorkerBatch(
+            bucket=bucket, num_reqs=num_reqs, num_tokens=num_tokens, input_ids=input_ids,
+            out_cache_loc=out_cache_loc, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+            extend_seq_lens=extend_seq_lens, extend_prefix_lens=extend_prefix_lens,
+            page_table=page_table, sampling=sampling)

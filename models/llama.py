@@ -1,0 +1,130 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in flax nnx.
+
+The three families differ by two switches read from the config: Qwen2 adds biases to the q/k/v
+projections (`attention_bias`), Qwen3 RMS-normalises q and k per head (`qk_norm`). Attribute
+names follow Hugging Face's, so the checkpoint mapping in `models/loader.py` stays a short table.
+Shapes: T tokens, D hidden, H query heads, K KV heads, Dh head dim, F intermediate, V vocab.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrunner.attention import AttentionBackend
+from jaxrunner.forward_batch import ForwardBatch
+from models.config import ModelConfig
+from models.rope import apply_rope_cos_sin, inv_frequencies, rope_cos_sin
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel stored [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    """Hugging Face's RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        H, K, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = H, K, Dh
+        self.q_proj = Linear(D, H * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(D, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(D, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(H * Dh, D, bias=False, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, cos, sin, kv_cache, fb: ForwardBatch, backend: AttentionBackend, meta):
+        T = x.shape[0]
+        q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope_cos_sin(q, cos, sin), apply_rope_cos_sin(k, cos, sin)
+        out, kv_cache = backend.forward(q, k, v, kv_cache, fb, meta)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), kv_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(F, D, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, cos, sin, kv_cache, fb, backend, meta):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, fb, backend, meta)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                      param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The causal LM: `__call__` runs the decoder over a forward batch, `compute_logits` the head."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+
+    def __call__(self, fb: ForwardBatch, kv_caches: list, backend: AttentionBackend):
+        """-> (hidden states [T, D] after the final norm, updated KV caches)."""
+        meta = backend.init_forward_metadata(fb)
+        # inv_freq is a trace-time constant: the checkpoint does not carry it.
+        inv_freq = inv_frequencies(self.config.rope, self.config.head_dim)
+        cos, sin = rope_cos_sin(fb.positions, inv_freq)
+        x = self.model.embed_tokens(fb.input_ids)
+        new_caches = []
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, kv_cache = layer(x, cos, sin, kv_cache, fb, backend, meta)
+            new_caches.append(kv_cache)
+        return self.model.norm(x), new_caches
+
+    def compute_logits(self, hidden):
+        """hidden [N, D] -> float32 logits [N, V]."""
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype(jnp.float32)
