@@ -1,0 +1,104 @@
+"""Reading Hugging Face safetensors checkpoints one tensor at a time.
+
+A checkpoint is either a single `model.safetensors` or a `model.safetensors.index.json` whose
+`weight_map` names the shard holding each tensor. Tensors are read lazily through
+`safetensors.safe_open`, so the whole model is never in host memory at once. bf16 tensors come
+back as `ml_dtypes.bfloat16` numpy arrays.
+
+Errors name the file at fault: a directory without safetensors (listing what is there), a
+`.bin`-only checkpoint, an index pointing at a missing shard, a corrupt or truncated file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_TORCH_BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (HF tensor name, numpy array) for every tensor, shard by shard.
+
+    All shard files are checked to exist before the first tensor is yielded.
+    """
+    for path, wanted in _tensor_files(Path(model_dir)):
+        with _open(path) as f:
+            for name in _names_in_file(f, path, wanted):
+                try:
+                    yield name, f.get_tensor(name)
+                except SafetensorError as e:
+                    raise ValueError(f"corrupt safetensors file {path}: tensor {name!r}: {e}") from e
+
+
+def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
+    """Names of all tensors in the checkpoint, in `iter_safetensors` order (reads headers only)."""
+    names = []
+    for path, wanted in _tensor_files(Path(model_dir)):
+        with _open(path) as f:
+            names.extend(_names_in_file(f, path, wanted))
+    return names
+
+
+def _names_in_file(f, path: Path, wanted: list[str] | None) -> list[str]:
+    """The file's tensor names in its own order, restricted to those the index assigns to it."""
+    keys = list(f.keys())
+    if wanted is None:
+        return keys
+    missing = sorted(set(wanted) - set(keys))
+    if missing:
+        raise ValueError(f"{INDEX_FILE} assigns {missing[:5]} to {path}, which does not hold them")
+    wanted_set = set(wanted)
+    return [k for k in keys if k in wanted_set]
+
+
+def _tensor_files(model_dir: Path) -> list[tuple[Path, list[str] | None]]:
+    """[(safetensors file, tensor names to read from it or None for all)] for a checkpoint dir."""
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {model_dir} does not exist")
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        return _shards_from_index(index_path)
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [(single, None)]
+    present = sorted(p.name for p in model_dir.iterdir())
+    if any(name in present for name in _TORCH_BIN_FILES):
+        raise ValueError(
+            f"{model_dir} holds a PyTorch .bin checkpoint; only safetensors checkpoints are "
+            f"supported (convert it, e.g. save_pretrained(..., safe_serialization=True))"
+        )
+    raise FileNotFoundError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}; it contains: {', '.join(present) or '(nothing)'}"
+    )
+
+
+def _shards_from_index(index_path: Path) -> list[tuple[Path, list[str]]]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"invalid safetensors index {index_path}: {e!r}") from e
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    files = []
+    for shard in sorted(by_shard):  # shard files are numbered: read them in order
+        path = index_path.parent / shard
+        if not path.is_file():
+            raise FileNotFoundError(f"{index_path} points at shard {shard}, which does not exist ({path})")
+        files.append((path, by_shard[shard]))
+    return files
+
+
+def _open(path: Path):
+    """safe_open with the safetensors error turned into a ValueError naming the file."""
+    try:
+        return safe_open(path, framework="numpy")
+    except SafetensorError as e:
+        raise ValueError(f"corrupt safetensors file {path}: {e}") from e
