@@ -1,0 +1,89 @@
+"""Every ragged paged attention kernel against the reference, on random ragged batches.
+
+On CPU both kernels run in Pallas interpret mode; on a GPU (TPU) host the GPU (TPU) kernel runs
+compiled, which is what scripts/device_check.sh relies on. Unused pages, page tails and padded
+sequences are NaN (see ragged_cases.py) and must not reach real tokens.
+
+Cases cover each dimension once or twice rather than the full product, to keep the interpreted
+suite fast on 2 cores.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from kernels_pallas import (ragged_paged_attention, ragged_paged_attention_gpu,
+                            ragged_paged_attention_reference, ragged_paged_attention_tpu)
+from kernels_pallas.ragged_paged_attention.tuning import GpuBlockSizes, TpuBlockSizes
+from tests.kernels.ragged_cases import Case, make_inputs, tolerance
+
+KERNEL_CASES = [
+    Case(seqs=((1, 5), (1, 40), (1, 17), (1, 64))),  # decode only, MHA
+    Case(seqs=((12, 12), (5, 5), (20, 20)), group=4, head_dim=64),  # prefill only
+    Case(seqs=((1, 33), (7, 30), (1, 1), (16, 50)), num_kv_heads=1, group=8),  # mixed, MQA
+    Case(seqs=((3, 70), (1, 130), (9, 9)), group=4, page_size=64),  # prefix + big pages
+    Case(seqs=((1, 40), (10, 30), (6, 6)), group=4, sliding_window=8),
+    Case(seqs=((1, 20), (8, 25)), head_dim=64, soft_cap=5.0, q_scale=6.0),
+    Case(seqs=((1, 45), (13, 29), (2, 2)), group=4, dtype="bfloat16"),
+    Case(seqs=((5, 90), (1, 70)), group=8, num_kv_heads=1, head_dim=64, page_size=64,
+         dtype="bfloat16", sliding_window=20, soft_cap=10.0, q_scale=4.0),
+    Case(seqs=((1, 21), (4, 9)), group=3, padded_seqs=2),  # a group that is not a power of 2
+]
+
+# Small blocks so a few tokens already span several query blocks, KV blocks and KV splits.
+SMALL_BLOCKS = {
+    "tpu": TpuBlockSizes(q_tokens=16, kv_pages=2),
+    "gpu": GpuBlockSizes(q_tokens=4, kv_pages=1, num_kv_splits=2),
+}
+KERNELS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
+
+
+def _kernel_runs():
+  """(backend, interpret) pairs runnable here: compiled on a matching device, else interpreted."""
+  platform = jax.default_backend()
+  if platform == "gpu":
+    return [pytest.param("gpu", False, id="gpu-compiled")]
+  if platform == "tpu":
+    return [pytest.param("tpu", False, id="tpu-compiled")]
+  return [pytest.param("tpu", True, id="tpu-interpret"),
+          pytest.param("gpu", True, id="gpu-interpret")]
+
+
+def _assert_matches_reference(case, inputs, out):
+  expected = ragged_paged_attention_reference(*inputs.args, **inputs.kwargs)
+  n = inputs.num_real_tokens
+  out = np.asarray(out.astype(np.float32))
+  assert np.isfinite(out).all(), "NaN/inf in the output (padded rows included)"
+  tol = tolerance(case.dtype)
+  np.testing.assert_allclose(out[:n], np.asarray(expected[:n].astype(np.float32)),
+                             atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_kernel_matches_reference_small_blocks(case, backend, interpret):
+  inputs = make_inputs(case, seed=7)
+  out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
+                         interpret=interpret)
+  _assert_matches_reference(case, inputs, out)
+
+
+@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[7]], ids=str)
+def test_kernel_matches_reference_tuned_blocks(case, backend, interpret):
+  """The public entry point with the block sizes the tuning table/heuristic picks."""
+  inputs = make_inputs(case, seed=3)
+  out = ragged_paged_attention(*inputs.args, **inputs.kwargs, backend=backend,
+                               interpret=interpret)
+  _assert_matches_reference(case, inputs, out)
+
+
+@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+def test_kernel_with_no_sequences_is_finite(backend, interpret):
+  """A fully padded batch (num_seqs == 0) must not read any page nor produce NaN."""
+  inputs = make_inputs(Case(seqs=((1, 8),)), seed=0)
+  q, kv_cache, kv_lens, page_indices, cu_q_lens, _ = inputs.args
+  num_seqs = np.zeros((1,), np.int32)
+  out = KERNELS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens, jax.numpy.asarray(num_seqs),
+                         **inputs.kwargs, interpret=interpret)
+  assert np.isfinite(np.asarray(out)).all()
