@@ -83,6 +83,8 @@ def paged_attention(q, kv_cache, positions, meta: NativeMetadata, cfg: Attention
         mask &= kv_pos[None, :] < meta.token_kv_len[:, None]     # own request; none for padding
         if cfg.sliding_window is not None:
             mask &= kv_pos[None, :] > positions[:, None] - cfg.sliding_window
+        # Slots past a request's length may hold anything, NaN included: keep them out of p @ v.
+        v = jnp.where((kv_pos[None, :] < meta.token_kv_len[:, None])[..., None, None], v, 0.0)
         mask = mask[:, None, None, :]
         s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, s.max(-1))

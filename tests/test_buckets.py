@@ -1,0 +1,40 @@
+import pytest
+
+from jaxrunner.buckets import (Bucket, all_buckets, decode_buckets, extend_buckets, pick_bucket,
+                               sample_batch_sizes)
+from jaxrunner.forward_mode import ForwardMode
+
+
+def test_decode_buckets_are_powers_of_two_up_to_the_max():
+    assert [b.num_reqs for b in decode_buckets(48)] == [1, 2, 4, 8, 16, 32, 48]
+    assert all(b.num_tokens == b.num_reqs for b in decode_buckets(48))
+
+
+def test_extend_buckets_cover_every_token_and_request_count():
+    buckets = extend_buckets(max_prefill_tokens=300, max_running_requests=20)
+    assert sorted({b.num_tokens for b in buckets}) == [32, 64, 128, 256, 300]
+    for tokens in range(1, 301):
+        for reqs in range(1, min(tokens, 20) + 1):
+            b = pick_bucket(buckets, ForwardMode.EXTEND, tokens, reqs)
+            assert b.num_tokens >= tokens and b.num_reqs >= reqs
+    assert all(b.num_reqs <= min(b.num_tokens, 20) for b in buckets)
+
+
+def test_pick_bucket_takes_the_smallest_fit():
+    buckets = all_buckets(512, 64)
+    assert pick_bucket(buckets, ForwardMode.DECODE, 5, 5) == Bucket(ForwardMode.DECODE, 8, 8)
+    assert pick_bucket(buckets, ForwardMode.EXTEND, 33, 2) == Bucket(ForwardMode.EXTEND, 64, 4)
+    with pytest.raises(ValueError, match="no EXTEND bucket"):
+        pick_bucket(buckets, ForwardMode.EXTEND, 513, 1)
+    with pytest.raises(ValueError, match="no DECODE bucket"):
+        pick_bucket(buckets, ForwardMode.DECODE, 65, 65)
+
+
+def test_sampler_is_compiled_for_every_request_count():
+    buckets = all_buckets(128, 8)
+    assert sample_batch_sizes(buckets) == sorted({b.num_reqs for b in buckets})
+
+
+def test_decode_bucket_has_one_token_per_request():
+    with pytest.raises(ValueError):
+        Bucket(ForwardMode.DECODE, 8, 4)

@@ -1,0 +1,51 @@
+import jax
+import numpy as np
+
+from jaxrunner.buckets import Bucket
+from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.forward_mode import ForwardMode
+from jaxrunner.sampler import SamplingBatch
+from jaxrunner.schedule_batch import ModelWorkerBatch
+
+
+def _worker_batch(mode, prefix_lens, new_lens, T, R, pages=4):
+    n = len(new_lens)
+    pad = lambda xs: np.array(list(xs) + [0] * (R - n), np.int32)  # noqa: E731
+    return ModelWorkerBatch(
+        bucket=Bucket(mode, T, R), num_reqs=n, num_tokens=sum(new_lens),
+        input_ids=np.arange(T, dtype=np.int32), out_cache_loc=np.zeros(T, np.int32),
+        req_pool_indices=pad(range(n)), seq_lens=pad(p + q for p, q in zip(prefix_lens, new_lens)),
+        extend_seq_lens=pad(new_lens), extend_prefix_lens=pad(prefix_lens),
+        page_table=np.zeros((R, pages), np.int32),
+        sampling=SamplingBatch.from_params([], [], [], padded_size=R))
+
+
+def test_extend_positions_continue_each_cached_prefix():
+    prefix, new = [0, 5, 3], [4, 2, 3]
+    fb, _ = ForwardBatch.init_new(_worker_batch(ForwardMode.EXTEND, prefix, new, T=12, R=4))
+    assert isinstance(fb.positions, jax.Array)
+    assert fb.positions.tolist() == [0, 1, 2, 3, 5, 6, 3, 4, 5, 0, 0, 0]
+    assert fb.extend_start_loc.tolist() == [0, 4, 6, 9]
+    assert fb.token_to_req.tolist()[:9] == [0, 0, 0, 0, 1, 1, 2, 2, 2]
+    assert int(fb.extend_num_tokens) == 9
+    assert int(fb.seq_lens_sum) == 4 + 7 + 6
+    assert fb.last_token_indices.tolist()[:3] == [3, 5, 8]
+
+
+def test_decode_positions_are_seq_len_minus_one():
+    seq_lens = [7, 1, 30]
+    wb = _worker_batch(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1, 1, 1], T=4, R=4)
+    fb, _ = ForwardBatch.init_new(wb)
+    assert fb.positions.tolist()[:3] == [6, 0, 29]
+    assert fb.last_token_indices.tolist()[:3] == [0, 1, 2]
+
+
+def test_forward_batch_is_a_pytree_with_static_mode():
+    fb, _ = ForwardBatch.init_new(_worker_batch(ForwardMode.EXTEND, [0], [3], T=4, R=1))
+    leaves, treedef = jax.tree.flatten(fb)
+    assert len(leaves) == 12 and all(isinstance(x, jax.Array) for x in leaves)
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert rebuilt.forward_mode == ForwardMode.EXTEND and rebuilt.batch_size == 1
+    decode_fb, _ = ForwardBatch.init_new(_worker_batch(ForwardMode.DECODE, [2], [1], T=1, R=1))
+    assert jax.tree.structure(decode_fb) != jax.tree.structure(
+        ForwardBatch.init_new(_worker_batch(ForwardMode.EXTEND, [2], [1], T=1, R=1))[0])
