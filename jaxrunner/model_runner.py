@@ -25,7 +25,7 @@ from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.memory_pool import (PageAllocator, ReqToTokenPool, TokenToKVPool,
                                    available_kv_memory, kv_bytes_per_token)
 from jaxrunner.sampler import SamplingBatch, sample
-from models import model_class
+from models.registry import model_class
 from models.config import ModelConfig
 from models.loader import load_model
 

@@ -1,4 +1,4 @@
-"""Model definitions and checkpoint loading, chosen by config.json `architectures`."""
+"""Which model class serves which config.json `architectures`."""
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM

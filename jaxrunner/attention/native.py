@@ -14,6 +14,7 @@ from jax import lax
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.forward_batch import ForwardBatch
+from kernels_pallas import update_kv_cache
 
 # KV tokens each token attends to per loop step; a multiple of the page size.
 _CHUNK_TOKENS = 256
@@ -38,7 +39,7 @@ class NativeAttentionBackend(AttentionBackend):
                               num_chunks=(jnp.max(token_kv_len) + chunk - 1) // chunk)
 
     def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata):
-        kv_cache = write_kv(kv_cache, k, v, forward_batch.out_cache_loc)
+        kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
         out = paged_attention(q, kv_cache, forward_batch.positions, metadata, self.config,
                               self.pages_per_chunk)
         return out, kv_cache
@@ -50,14 +51,6 @@ class NativeMetadata:
     token_pages: jax.Array   # i32[T, P']: the pages of each token's request
     token_kv_len: jax.Array  # i32[T]: KV length of each token's request (0 for padding)
     num_chunks: jax.Array    # i32[]: chunks the longest request needs
-
-
-def write_kv(kv_cache, k, v, slots):
-    """Writes k/v [T, Hkv, D] at flat KV slots [T] (K even, V odd on axis 2)."""
-    num_pages, page_size, two_hkv, head_dim = kv_cache.shape
-    kv = jnp.stack([k, v], axis=2).reshape(-1, two_hkv, head_dim).astype(kv_cache.dtype)
-    flat = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
-    return flat.at[slots].set(kv).reshape(kv_cache.shape)
 
 
 def paged_attention(q, kv_cache, positions, meta: NativeMetadata, cfg: AttentionConfig,

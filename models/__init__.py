@@ -1,0 +1,1 @@
+"""Model definitions (flax nnx) and Hugging Face checkpoint loading."""
