@@ -222,8 +222,7 @@ def ragged_paged_attention_tpu(
   if block_sizes is None:
     block_sizes = tuning.tpu_block_sizes(
         dtype=q.dtype, head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
-        num_tokens=num_tokens, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq,
-        device_kind=None if not interpret else "cpu")
+        num_tokens=num_tokens, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq)
   q_tokens = block_sizes.q_tokens
   kv_pages = min(block_sizes.kv_pages, pages_per_seq)
   num_q_blocks = pl.cdiv(num_tokens, q_tokens)

@@ -45,3 +45,12 @@ def test_update_kv_cache_rejects_bad_shapes():
     update_kv_cache(kv_cache, k, k, jnp.zeros((3,), jnp.float32))
   with pytest.raises(ValueError, match="k and v"):
     update_kv_cache(kv_cache, k[:, :1], k[:, :1], jnp.zeros((3,), jnp.int32))
+
+
+def test_update_kv_cache_aliases_the_donated_cache():
+  """With the cache donated, XLA writes the output into the input buffer (no copy)."""
+  kv_cache = jnp.zeros((4, 16, 4, 64), jnp.bfloat16)
+  k = jnp.ones((5, 2, 64), jnp.bfloat16)
+  slots = jnp.arange(16, 21, dtype=jnp.int32)
+  compiled = jax.jit(update_kv_cache, donate_argnums=0).lower(kv_cache, k, k, slots).compile()
+  assert "input_output_alias" in compiled.as_text()

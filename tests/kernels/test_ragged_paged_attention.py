@@ -87,3 +87,27 @@ def test_kernel_with_no_sequences_is_finite(backend, interpret):
   out = KERNELS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens, jax.numpy.asarray(num_seqs),
                          **inputs.kwargs, interpret=interpret)
   assert np.isfinite(np.asarray(out)).all()
+
+
+def _random_case(seed: int) -> Case:
+  """A random small batch: 1-4 sequences, each decode (1 token) or a chunk with a prefix."""
+  rng = np.random.default_rng(seed)
+  seqs = []
+  for _ in range(rng.integers(1, 5)):
+    q_len = 1 if rng.random() < 0.5 else int(rng.integers(2, 24))
+    seqs.append((q_len, q_len + int(rng.integers(0, 60))))
+  return Case(seqs=tuple(seqs), num_kv_heads=int(rng.choice([1, 2])),
+              group=int(rng.choice([1, 2, 4])), head_dim=int(rng.choice([64, 128])),
+              page_size=int(rng.choice([16, 32])), dtype=str(rng.choice(["float32", "bfloat16"])),
+              sliding_window=int(rng.integers(4, 40)) if rng.random() < 0.3 else None,
+              padded_seqs=int(rng.integers(0, 3)), padded_tokens=int(rng.integers(0, 5)))
+
+
+@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_kernel_matches_reference_random_batches(seed, backend, interpret):
+  case = _random_case(seed)
+  inputs = make_inputs(case, seed=seed)
+  out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
+                         interpret=interpret)
+  _assert_matches_reference(case, inputs, out)
