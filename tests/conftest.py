@@ -1,0 +1,32 @@
+"""Shared fixtures: random checkpoints and one compilation cache for the whole session."""
+
+import pytest
+
+from models.random_checkpoint import cached_checkpoint
+
+# Engine settings the tests share, so that engines of one model reuse compiled executables
+# through the persistent compilation cache.
+ENGINE_DEFAULTS = dict(dtype="float32", page_size=16, max_total_tokens=32768,
+                       max_running_requests=16, max_prefill_tokens=512, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "checkpoints"
+
+
+@pytest.fixture(scope="session")
+def compilation_cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(checkpoint_root):
+    """`checkpoint(preset)` -> path of a random HF checkpoint, made once per session."""
+    return lambda preset: cached_checkpoint(preset, checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def engine_kwargs(compilation_cache_dir):
+    return dict(ENGINE_DEFAULTS, compilation_cache_dir=compilation_cache_dir,
+                disallow_compile_after_warmup=True)
