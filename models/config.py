@@ -79,7 +79,9 @@ class RopeConfig:
         for key in ("low_freq_factor", "high_freq_factor"):
             if key not in scaling:
                 raise ValueError(f"rope type 'llama3' needs {key!r} in its rope parameters")
-        original_max = scaling.get("original_max_position_embeddings", d.get("max_position_embeddings"))
+        original_max = scaling.get(
+            "original_max_position_embeddings", d.get("max_position_embeddings")
+        )
         if original_max is None:
             raise ValueError("rope type 'llama3' needs 'original_max_position_embeddings'")
         return cls(
@@ -140,7 +142,9 @@ class ModelConfig:
             raise ValueError(f"{config_path}: {e}") from e
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelConfig:
         """Builds a config from a parsed config.json dict (plus an optional generation config)."""
         architectures = d.get("architectures") or []
         if not architectures:
@@ -148,7 +152,8 @@ class ModelConfig:
         arch = architectures[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
         if missing:
@@ -157,7 +162,8 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         head_dim = d.get("head_dim")
         if head_dim is None:
-            head_dim = _QWEN3_DEFAULT_HEAD_DIM if arch == "Qwen3ForCausalLM" else d["hidden_size"] // heads
+            qwen3 = arch == "Qwen3ForCausalLM"
+            head_dim = _QWEN3_DEFAULT_HEAD_DIM if qwen3 else d["hidden_size"] // heads
 
         if arch == "Qwen2ForCausalLM":
             attention_bias = True
@@ -173,7 +179,8 @@ class ModelConfig:
         else:
             sliding_window = None
 
-        eos = _as_id_tuple(d.get("eos_token_id")) + _as_id_tuple((generation_config or {}).get("eos_token_id"))
+        eos = _as_id_tuple(d.get("eos_token_id"))
+        eos += _as_id_tuple((generation_config or {}).get("eos_token_id"))
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
 
         return cls(

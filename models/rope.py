@@ -49,7 +49,8 @@ def _llama3_scaling(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     # bit-identical with HF.
     wavelen = np.float32(2 * math.pi) * (np.float32(1.0) / inv_freq)
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (np.float32(old_context_len) * (np.float32(1.0) / wavelen) - np.float32(low)) / np.float32(high - low)
+    inv_wavelen = np.float32(1.0) / wavelen
+    smooth = (np.float32(old_context_len) * inv_wavelen - np.float32(low)) / np.float32(high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)

@@ -34,7 +34,9 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
                 try:
                     yield name, f.get_tensor(name)
                 except SafetensorError as e:
-                    raise ValueError(f"corrupt safetensors file {path}: tensor {name!r}: {e}") from e
+                    raise ValueError(
+                        f"corrupt safetensors file {path}: tensor {name!r}: {e}"
+                    ) from e
 
 
 def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
@@ -75,7 +77,8 @@ def _tensor_files(model_dir: Path) -> list[tuple[Path, list[str] | None]]:
             f"supported (convert it, e.g. save_pretrained(..., safe_serialization=True))"
         )
     raise FileNotFoundError(
-        f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}; it contains: {', '.join(present) or '(nothing)'}"
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}; "
+        f"it contains: {', '.join(present) or '(nothing)'}"
     )
 
 
@@ -91,7 +94,9 @@ def _shards_from_index(index_path: Path) -> list[tuple[Path, list[str]]]:
     for shard in sorted(by_shard):  # shard files are numbered: read them in order
         path = index_path.parent / shard
         if not path.is_file():
-            raise FileNotFoundError(f"{index_path} points at shard {shard}, which does not exist ({path})")
+            raise FileNotFoundError(
+                f"{index_path} points at shard {shard}, which does not exist ({path})"
+            )
         files.append((path, by_shard[shard]))
     return files
 

@@ -39,7 +39,8 @@ def test_llama_fields():
     assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (2, 4, 2)
     assert c.head_dim == 64  # hidden / heads when absent
     assert c.rms_norm_eps == 1e-5 and c.max_position_embeddings == 2048
-    assert not c.tie_word_embeddings and not c.attention_bias and not c.o_proj_bias and not c.qk_norm
+    assert not c.tie_word_embeddings and not c.attention_bias and not c.o_proj_bias
+    assert not c.qk_norm
     assert c.sliding_window is None
     assert c.rope == RopeConfig(theta=500000.0)
     assert c.eos_token_ids == (2,) and c.bos_token_id == 1
@@ -116,7 +117,8 @@ def test_rope_transformers5_form():
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     rope = _cfg(rope_theta=_DROP, rope_parameters=params).rope
     assert rope == RopeConfig(1e6, "llama3", 32.0, 1.0, 4.0, 8192)
-    default = _cfg(rope_theta=_DROP, rope_parameters={"rope_type": "default", "rope_theta": 1e6}).rope
+    params = {"rope_type": "default", "rope_theta": 1e6}
+    default = _cfg(rope_theta=_DROP, rope_parameters=params).rope
     assert default == RopeConfig(1e6)
 
 

@@ -21,7 +21,9 @@ _BASE = dict(
     num_key_value_heads=2,
     max_position_embeddings=2048,
 )
-_LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256)
+_LLAMA3 = dict(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256
+)
 
 # (name, config.json overrides), each rope type in both transformers 4 and 5 forms.
 CASES = [
@@ -31,7 +33,10 @@ CASES = [
     ("linear-v5", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
     ("llama3-v4", dict(rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", **_LLAMA3))),
     ("llama3-v5", dict(rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, **_LLAMA3))),
-    ("llama3-hd32-v5", dict(head_dim=32, rope_parameters=dict(rope_type="llama3", rope_theta=1e4, **_LLAMA3))),
+    (
+        "llama3-hd32-v5",
+        dict(head_dim=32, rope_parameters=dict(rope_type="llama3", rope_theta=1e4, **_LLAMA3)),
+    ),
 ]
 
 
@@ -93,18 +98,20 @@ def test_apply_rope_matches_hf_given_same_inv_freq(name, overrides, dtype):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
     else:
         # XLA may keep f32 between the bf16 multiply and add (excess precision): allow ~1 bf16 ulp.
-        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=2**-7, atol=2**-7)
+        got = np.asarray(got.astype(jnp.float32))
+        np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7)
 
 
 @pytest.mark.parametrize("name,overrides", CASES, ids=[c[0] for c in CASES])
 def test_apply_rope_matches_hf_end_to_end(name, overrides):
     ours, hf = _configs(overrides)
     x, positions = _inputs(ours.head_dim, "float32")
-    got = apply_rope(x, jnp.asarray(positions), jnp.asarray(inv_frequencies(ours.rope, ours.head_dim)))
+    inv = jnp.asarray(inv_frequencies(ours.rope, ours.head_dim))
+    got = apply_rope(x, jnp.asarray(positions), inv)
     # A 1-ulp inv_freq difference at position 4000 moves the angle by up to ~2.4e-4 rad.
     np.testing.assert_allclose(np.asarray(got), _hf_rope(hf, x, positions), rtol=0, atol=2e-3)
     short = positions % 64  # small positions: the same 1-ulp difference is invisible
-    got = apply_rope(x, jnp.asarray(short), jnp.asarray(inv_frequencies(ours.rope, ours.head_dim)))
+    got = apply_rope(x, jnp.asarray(short), inv)
     np.testing.assert_allclose(np.asarray(got), _hf_rope(hf, x, short), rtol=1e-5, atol=1e-5)
 
 
