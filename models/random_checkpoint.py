@@ -1,0 +1,441 @@
+"""Random-initialised checkpoints in Hugging Face format, written without torch.
+
+`make_checkpoint(out_dir, preset)` writes config.json, generation_config.json, model.safetensors
+(or shards + index) and a small byte-level BPE tokenizer, so that both our engine and
+`transformers.AutoModelForCausalLM` / `AutoTokenizer` load the same directory. The checkpoint is
+the correctness oracle's input: greedy tokens from our engine are compared with HF `generate`
+token for token, so the weights are scaled for a wide logit spread (near-ties between the top two
+tokens are rare) and for outputs that vary with the context.
+
+The tokenizer is trained on a deterministic built-in corpus: docstrings of the Python standard
+library's top-level modules, in module-name order (no downloads; it may differ between Python
+versions, never between runs of one).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import os
+import shutil
+import sysconfig
+import uuid
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+_COMMON = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+
+# name -> config.json entries (before the common entries every config gets, see _hf_config).
+# `rope_form` picks how rope is written: "v4" = rope_theta + rope_scaling, "v5" = rope_parameters.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(
+        _COMMON,
+        architecture="LlamaForCausalLM",
+        rope_form="v4",
+        rope=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_position_embeddings=256),
+    ),
+    "tiny-qwen2": dict(
+        _COMMON,
+        architecture="Qwen2ForCausalLM",
+        rope_form="v5",
+        rope=dict(rope_type="default", rope_theta=1e6),
+    ),
+    # head_dim * heads (512) != hidden (256) on purpose: the model must not assume they are equal.
+    "tiny-qwen3": dict(
+        _COMMON,
+        architecture="Qwen3ForCausalLM",
+        num_attention_heads=8,
+        tie_word_embeddings=True,
+        rope_form="v4",
+        rope=dict(rope_type="default", rope_theta=1e6),
+    ),
+    # The benchmark model.
+    "small": dict(
+        architecture="LlamaForCausalLM",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_form="v4",
+        rope=dict(rope_type="default", rope_theta=500000.0),
+    ),
+}
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
+PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
+# Qwen2's (and, up to digit grouping, Llama 3's) pre-tokenizer split: words, single digits,
+# punctuation runs, newlines, spaces.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Weight scales. Inputs to every projection are RMS-normalised, so 1/sqrt(fan_in) keeps
+# activations near unit scale. o_proj and down_proj write RESIDUAL_WRITE_SCALE times that into the
+# residual stream so the layers dominate the embedding: with tied embeddings the embedding's direct
+# path makes a token favour itself (logit_t gains e_t . e_t), and greedy decoding falls into
+# repeating one token; a small embedding against large layer writes makes that rarer (it still
+# happens for some prompts). lm_head (untied) gives logits a std of about LOGIT_STD; tied logits
+# have std EMBED_STD * sqrt(hidden) (4 for hidden 256).
+EMBED_STD = 0.25
+RESIDUAL_WRITE_SCALE = 8.0
+LOGIT_STD = 6.0
+NORM_JITTER = 0.1
+BIAS_STD = 0.1
+
+_MARKER = ".checkpoint-complete"
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    preset: str,
+    seed: int = 0,
+    dtype: str = "float32",
+    shards: int = 1,
+) -> Path:
+    """Writes a random `preset` checkpoint with its tokenizer into out_dir; returns out_dir.
+
+    dtype: "float32" or "bfloat16" for the weights. shards > 1 writes
+    `model-0000i-of-0000N.safetensors` files and `model.safetensors.index.json`.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    spec = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = train_tokenizer(spec["vocab_size"])
+    _write_json(out / "config.json", _hf_config(spec, dtype))
+    _write_json(out / "generation_config.json", _generation_config())
+    _write_tokenizer(out, tokenizer, spec["max_position_embeddings"])
+    np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+    _write_weights(out, spec, seed, np_dtype, shards)
+    return out
+
+
+def cached_checkpoint(preset: str, root: str | Path, **kwargs: Any) -> Path:
+    """`root/preset`, made by `make_checkpoint(..., **kwargs)` unless a complete one is there.
+
+    Complete means the marker file, written last, exists; a half-written directory is rebuilt. The
+    build happens in a temporary sibling directory renamed into place, so concurrent callers (e.g.
+    pytest-xdist workers) never see a partial checkpoint. For a session-scoped pytest fixture:
+    `cached_checkpoint("tiny-llama", tmp_path_factory.getbasetemp() / "checkpoints")`.
+    """
+    final = Path(root) / preset
+    if (final / _MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{preset}.tmp-{uuid.uuid4().hex}"
+    try:
+        make_checkpoint(tmp, preset, **kwargs)
+        (tmp / _MARKER).write_text(json.dumps({"preset": preset, **kwargs}))
+        if final.exists() and not (final / _MARKER).is_file():
+            shutil.rmtree(final, ignore_errors=True)  # a half-written one from an older crash
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _MARKER).is_file():  # not a concurrent winner: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --- config files -------------------------------------------------------------------------------
+
+
+def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
+    arch = spec["architecture"]
+    config: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": _MODEL_TYPES[arch],
+        "vocab_size": spec["vocab_size"],
+        "hidden_size": spec["hidden_size"],
+        "intermediate_size": spec["intermediate_size"],
+        "num_hidden_layers": spec["num_hidden_layers"],
+        "num_attention_heads": spec["num_attention_heads"],
+        "num_key_value_heads": spec["num_key_value_heads"],
+        "head_dim": spec["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": spec["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": spec["tie_word_embeddings"],
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "use_cache": True,
+    }
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        config["attention_bias"] = False
+    if arch == "LlamaForCausalLM":
+        config["mlp_bias"] = False
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        config.update(use_sliding_window=False, sliding_window=None,
+                      max_window_layers=spec["num_hidden_layers"])
+
+    rope = dict(spec["rope"])
+    if spec["rope_form"] == "v5":
+        config["rope_parameters"] = rope
+        config["dtype"] = dtype
+        config["transformers_version"] = "5.0.0"
+    else:
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+        config["torch_dtype"] = dtype
+        config["transformers_version"] = "4.51.0"
+    return config
+
+
+def _generation_config() -> dict[str, Any]:
+    # <|im_end|> ends a chat turn, so generation stops at either end token.
+    return {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID,
+            "do_sample": False}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+
+
+def stdlib_docstring_corpus() -> list[str]:
+    """Docstrings (module, classes, functions) of the stdlib's top-level modules, by module name."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        texts.extend(_docstrings(tree))
+    if not texts:
+        raise RuntimeError(f"no docstrings found under {root} to train the tokenizer on")
+    return texts
+
+
+def _docstrings(tree: ast.Module) -> Iterator[str]:
+    nodes = [tree] + [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+    for node in list(nodes):
+        if isinstance(node, ast.ClassDef):
+            nodes.extend(n for n in node.body if isinstance(n, ast.FunctionDef))
+    for node in nodes:
+        doc = ast.get_docstring(node)
+        if doc:
+            yield doc
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    # Exactly the pipeline transformers 5's Qwen2Tokenizer rebuilds around vocab + merges (it
+    # ignores the file's normalizer and pre-tokenizer), so every loader tokenizes alike.
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text encodes
+        min_frequency=2,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(stdlib_docstring_corpus(), trainer)
+    # Llama-style: encoding prepends <s>.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    return tokenizer.to_str()
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with at most vocab_size tokens (fewer if the corpus runs out of merges)."""
+    tokenizer = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    return tokenizer
+
+
+def _write_tokenizer(out: Path, tokenizer: Tokenizer, max_length: int) -> None:
+    tokenizer.save(str(out / "tokenizer.json"))
+    added = {
+        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+        for i, tok in enumerate(SPECIAL_TOKENS)
+    }
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+    })
+    _write_json(out / "special_tokens_map.json", {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": [IM_START, IM_END],
+    })
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+
+def tensor_shapes(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape ([out, in] for projections, as torch Linear stores them)."""
+    d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
+    hd, nh, nkv = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"]
+    arch = spec["architecture"]
+    shapes = {"model.embed_tokens.weight": (v, d)}
+    for i in range(spec["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes.update({
+            f"{p}.input_layernorm.weight": (d,),
+            f"{p}.self_attn.q_proj.weight": (nh * hd, d),
+            f"{p}.self_attn.k_proj.weight": (nkv * hd, d),
+            f"{p}.self_attn.v_proj.weight": (nkv * hd, d),
+            f"{p}.self_attn.o_proj.weight": (d, nh * hd),
+            f"{p}.post_attention_layernorm.weight": (d,),
+            f"{p}.mlp.gate_proj.weight": (f, d),
+            f"{p}.mlp.up_proj.weight": (f, d),
+            f"{p}.mlp.down_proj.weight": (d, f),
+        })
+        if arch == "Qwen2ForCausalLM":
+            shapes.update({
+                f"{p}.self_attn.q_proj.bias": (nh * hd,),
+                f"{p}.self_attn.k_proj.bias": (nkv * hd,),
+                f"{p}.self_attn.v_proj.bias": (nkv * hd,),
+            })
+        if arch == "Qwen3ForCausalLM":
+            shapes.update({
+                f"{p}.self_attn.q_norm.weight": (hd,),
+                f"{p}.self_attn.k_norm.weight": (hd,),
+            })
+    shapes["model.norm.weight"] = (d,)
+    if not spec["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """One tensor, seeded by (seed, name): values do not depend on dtype, sharding or order."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith("norm.weight"):
+        return 1.0 + NORM_JITTER * x
+    if name.endswith(".bias"):
+        return BIAS_STD * x
+    if name == "model.embed_tokens.weight":
+        return EMBED_STD * x
+    fan_in = shape[1]
+    if name == "lm_head.weight":
+        return (LOGIT_STD / np.sqrt(fan_in)) * x
+    scale = RESIDUAL_WRITE_SCALE if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+    return (scale / np.sqrt(fan_in)) * x
+
+
+def _write_weights(
+    out: Path, spec: dict[str, Any], seed: int, dtype: np.dtype, shards: int
+) -> None:
+    shapes = tensor_shapes(spec)
+    names = list(shapes)
+    groups = _split_by_size(names, shapes, shards)
+    metadata = {"format": "pt"}  # HF expects this key when loading with torch
+    if shards == 1:
+        tensors = _materialise(groups[0], shapes, seed, dtype)
+        save_file(tensors, out / "model.safetensors", metadata=metadata)
+        return
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = _materialise(group, shapes, seed, dtype)
+        save_file(tensors, out / shard, metadata=metadata)
+        weight_map.update({n: shard for n in group})
+        total += sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+def _materialise(
+    names: list[str], shapes: dict, seed: int, dtype: np.dtype
+) -> dict[str, np.ndarray]:
+    return {n: _init_tensor(n, shapes[n], seed).astype(dtype) for n in names}
+
+
+def _split_by_size(names: list[str], shapes: dict, shards: int) -> list[list[str]]:
+    """`shards` consecutive, non-empty groups of names with roughly equal element counts."""
+    if shards > len(names):
+        raise ValueError(f"shards={shards} exceeds the {len(names)} tensors")
+    sizes = [int(np.prod(shapes[n])) for n in names]
+    target = sum(sizes) / shards
+    groups: list[list[str]] = [[]]
+    done = 0  # elements in the groups so far
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        shards_left = shards - len(groups)
+        full = done >= len(groups) * target or len(names) - i == shards_left
+        if groups[-1] and shards_left > 0 and full:
+            groups.append([])
+        groups[-1].append(name)
+        done += size
+    return groups
