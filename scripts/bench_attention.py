@@ -37,144 +37,144 @@ PEAK_BANDWIDTH = (
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-  name: str
-  seqs: tuple  # (q_len, kv_len) per sequence
+    name: str
+    seqs: tuple  # (q_len, kv_len) per sequence
 
 
 def peak_bandwidth(device_kind: str) -> float | None:
-  for key, value in PEAK_BANDWIDTH:
-    if key.lower() in device_kind.lower():
-      return value
-  return None
+    for key, value in PEAK_BANDWIDTH:
+        if key.lower() in device_kind.lower():
+            return value
+    return None
 
 
 def scenarios(args) -> list[Scenario]:
-  decode = tuple((1, args.decode_kv_len) for _ in range(args.decode_seqs))
-  prefill = tuple((args.prefill_len, args.prefill_len) for _ in range(args.prefill_seqs))
-  # Mixed: the decode batch plus prefill chunks that extend a cached prefix.
-  mixed = decode[: max(1, args.decode_seqs // 2)] + tuple(
-      (args.prefill_len, args.prefill_len + args.decode_kv_len // 2)
-      for _ in range(max(1, args.prefill_seqs // 2)))
-  chosen = {"decode": decode, "prefill": prefill, "mixed": mixed}
-  return [Scenario(name, chosen[name]) for name in args.scenarios]
+    decode = tuple((1, args.decode_kv_len) for _ in range(args.decode_seqs))
+    prefill = tuple((args.prefill_len, args.prefill_len) for _ in range(args.prefill_seqs))
+    # Mixed: the decode batch plus prefill chunks that extend a cached prefix.
+    mixed = decode[: max(1, args.decode_seqs // 2)] + tuple(
+        (args.prefill_len, args.prefill_len + args.decode_kv_len // 2)
+        for _ in range(max(1, args.prefill_seqs // 2)))
+    chosen = {"decode": decode, "prefill": prefill, "mixed": mixed}
+    return [Scenario(name, chosen[name]) for name in args.scenarios]
 
 
 def make_batch(scenario: Scenario, args, rng):
-  """Random batch in the kernels' layout; pages are a random permutation, page 0 unused."""
-  dtype = jnp.dtype(args.dtype)
-  kvh, page_size, head_dim = args.num_kv_heads, args.page_size, args.head_dim
-  pages_needed = [math.ceil(kv / page_size) for _, kv in scenario.seqs]
-  pages_per_seq = max(pages_needed)
-  num_pages = 1 + sum(pages_needed)
-  perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
-  page_indices = np.zeros((len(scenario.seqs), pages_per_seq), np.int32)
-  start = 0
-  for s, n in enumerate(pages_needed):
-    page_indices[s, :n] = perm[start:start + n]
-    start += n
-  q_lens = [q for q, _ in scenario.seqs]
-  num_tokens = sum(q_lens)
-  key_q, key_kv = jax.random.split(jax.random.key(0))
-  q = jax.random.normal(key_q, (num_tokens, kvh * args.group, head_dim), dtype)
-  kv_cache = jax.random.normal(key_kv, (num_pages, page_size, 2 * kvh, head_dim), dtype)
-  return (q, kv_cache, jnp.asarray([kv for _, kv in scenario.seqs], jnp.int32),
-          jnp.asarray(page_indices), jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-          jnp.asarray([len(scenario.seqs)], jnp.int32))
+    """Random batch in the kernels' layout; pages are a random permutation, page 0 unused."""
+    dtype = jnp.dtype(args.dtype)
+    kvh, page_size, head_dim = args.num_kv_heads, args.page_size, args.head_dim
+    pages_needed = [math.ceil(kv / page_size) for _, kv in scenario.seqs]
+    pages_per_seq = max(pages_needed)
+    num_pages = 1 + sum(pages_needed)
+    perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
+    page_indices = np.zeros((len(scenario.seqs), pages_per_seq), np.int32)
+    start = 0
+    for s, n in enumerate(pages_needed):
+        page_indices[s, :n] = perm[start:start + n]
+        start += n
+    q_lens = [q for q, _ in scenario.seqs]
+    num_tokens = sum(q_lens)
+    key_q, key_kv = jax.random.split(jax.random.key(0))
+    q = jax.random.normal(key_q, (num_tokens, kvh * args.group, head_dim), dtype)
+    kv_cache = jax.random.normal(key_kv, (num_pages, page_size, 2 * kvh, head_dim), dtype)
+    return (q, kv_cache, jnp.asarray([kv for _, kv in scenario.seqs], jnp.int32),
+            jnp.asarray(page_indices), jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+            jnp.asarray([len(scenario.seqs)], jnp.int32))
 
 
 def bytes_moved(scenario: Scenario, args) -> int:
-  itemsize = jnp.dtype(args.dtype).itemsize
-  kv_tokens = sum(min(kv, (args.sliding_window or kv) + q - 1) for q, kv in scenario.seqs)
-  kv_bytes = kv_tokens * 2 * args.num_kv_heads * args.head_dim * itemsize
-  num_tokens = sum(q for q, _ in scenario.seqs)
-  qo_bytes = 2 * num_tokens * args.num_kv_heads * args.group * args.head_dim * itemsize
-  return kv_bytes + qo_bytes
+    itemsize = jnp.dtype(args.dtype).itemsize
+    kv_tokens = sum(min(kv, (args.sliding_window or kv) + q - 1) for q, kv in scenario.seqs)
+    kv_bytes = kv_tokens * 2 * args.num_kv_heads * args.head_dim * itemsize
+    num_tokens = sum(q for q, _ in scenario.seqs)
+    qo_bytes = 2 * num_tokens * args.num_kv_heads * args.group * args.head_dim * itemsize
+    return kv_bytes + qo_bytes
 
 
 def time_backend(batch, backend: str, interpret: bool, args) -> list[float]:
-  fn = jax.jit(lambda *a: ragged_paged_attention(
-      *a, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
-      soft_cap=args.soft_cap, backend=backend, interpret=interpret))
-  for _ in range(args.warmup):
-    fn(*batch).block_until_ready()
-  times = []
-  for _ in range(args.iters):
-    start = time.perf_counter()
-    fn(*batch).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return times
+    fn = jax.jit(lambda *a: ragged_paged_attention(
+        *a, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
+        soft_cap=args.soft_cap, backend=backend, interpret=interpret))
+    for _ in range(args.warmup):
+        fn(*batch).block_until_ready()
+    times = []
+    for _ in range(args.iters):
+        start = time.perf_counter()
+        fn(*batch).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def default_backends(platform: str, interpret: bool) -> list[tuple[str, bool]]:
-  runs = {"tpu": [("tpu", False)], "gpu": [("gpu", False)]}.get(platform, [])
-  runs.append(("reference", False))
-  if platform == "cpu" and interpret:
-    runs += [("tpu", True), ("gpu", True)]
-  return runs
+    runs = {"tpu": [("tpu", False)], "gpu": [("gpu", False)]}.get(platform, [])
+    runs.append(("reference", False))
+    if platform == "cpu" and interpret:
+        runs += [("tpu", True), ("gpu", True)]
+    return runs
 
 
 def parse_args(argv=None):
-  on_cpu = jax.default_backend() == "cpu"
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--scenarios", nargs="+", default=["decode", "prefill", "mixed"],
-                      choices=["decode", "prefill", "mixed"])
-  parser.add_argument("--backends", nargs="+", choices=["tpu", "gpu", "reference"],
-                      help="default: this platform's kernel and the reference")
-  parser.add_argument("--interpret", action="store_true",
-                      help="run the kernels in interpret mode (CPU; use small shapes)")
-  # CPU defaults are small: the reference and the interpreters are slow.
-  parser.add_argument("--decode-seqs", type=int, default=4 if on_cpu else 64)
-  parser.add_argument("--decode-kv-len", type=int, default=256 if on_cpu else 4096)
-  parser.add_argument("--prefill-seqs", type=int, default=1 if on_cpu else 4)
-  parser.add_argument("--prefill-len", type=int, default=64 if on_cpu else 2048)
-  parser.add_argument("--num-kv-heads", type=int, default=2 if on_cpu else 8)
-  parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
-  parser.add_argument("--head-dim", type=int, default=128)
-  parser.add_argument("--page-size", type=int, default=16 if on_cpu else 64)
-  parser.add_argument("--dtype", default="float32" if on_cpu else "bfloat16")
-  parser.add_argument("--sliding-window", type=int, default=None)
-  parser.add_argument("--soft-cap", type=float, default=None)
-  parser.add_argument("--warmup", type=int, default=1 if on_cpu else 3)
-  parser.add_argument("--iters", type=int, default=3 if on_cpu else 20)
-  parser.add_argument("--json-out", type=Path, help="also write the records to this file")
-  return parser.parse_args(argv)
+    on_cpu = jax.default_backend() == "cpu"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", nargs="+", default=["decode", "prefill", "mixed"],
+                        choices=["decode", "prefill", "mixed"])
+    parser.add_argument("--backends", nargs="+", choices=["tpu", "gpu", "reference"],
+                        help="default: this platform's kernel and the reference")
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the kernels in interpret mode (CPU; use small shapes)")
+    # CPU defaults are small: the reference and the interpreters are slow.
+    parser.add_argument("--decode-seqs", type=int, default=4 if on_cpu else 64)
+    parser.add_argument("--decode-kv-len", type=int, default=256 if on_cpu else 4096)
+    parser.add_argument("--prefill-seqs", type=int, default=1 if on_cpu else 4)
+    parser.add_argument("--prefill-len", type=int, default=64 if on_cpu else 2048)
+    parser.add_argument("--num-kv-heads", type=int, default=2 if on_cpu else 8)
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16 if on_cpu else 64)
+    parser.add_argument("--dtype", default="float32" if on_cpu else "bfloat16")
+    parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--soft-cap", type=float, default=None)
+    parser.add_argument("--warmup", type=int, default=1 if on_cpu else 3)
+    parser.add_argument("--iters", type=int, default=3 if on_cpu else 20)
+    parser.add_argument("--json-out", type=Path, help="also write the records to this file")
+    return parser.parse_args(argv)
 
 
 def main(argv=None):
-  args = parse_args(argv)
-  device = jax.devices()[0]
-  peak = peak_bandwidth(device.device_kind)
-  runs = ([(b, args.interpret and jax.default_backend() == "cpu" and b != "reference")
-           for b in args.backends] if args.backends
-          else default_backends(jax.default_backend(), args.interpret))
-  rng = np.random.default_rng(0)
-  records = []
-  for scenario in scenarios(args):
-    batch = make_batch(scenario, args, rng)
-    moved = bytes_moved(scenario, args)
-    for backend, interpret in runs:
-      times = time_backend(batch, backend, interpret, args)
-      median = statistics.median(times)
-      bandwidth = moved / median
-      record = dict(
-          scenario=scenario.name, backend=backend, interpret=interpret,
-          device_kind=device.device_kind, num_seqs=len(scenario.seqs),
-          num_tokens=int(batch[0].shape[0]), dtype=args.dtype, head_dim=args.head_dim,
-          num_kv_heads=args.num_kv_heads, group=args.group, page_size=args.page_size,
-          median_ms=median * 1e3, min_ms=min(times) * 1e3, bytes=moved,
-          bandwidth_gbps=bandwidth / 1e9, peak_fraction=None if peak is None else bandwidth / peak)
-      records.append(record)
-      print(json.dumps(record), flush=True)
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    peak = peak_bandwidth(device.device_kind)
+    runs = ([(b, args.interpret and jax.default_backend() == "cpu" and b != "reference")
+             for b in args.backends] if args.backends
+            else default_backends(jax.default_backend(), args.interpret))
+    rng = np.random.default_rng(0)
+    records = []
+    for scenario in scenarios(args):
+        batch = make_batch(scenario, args, rng)
+        moved = bytes_moved(scenario, args)
+        for backend, interpret in runs:
+            times = time_backend(batch, backend, interpret, args)
+            median = statistics.median(times)
+            bandwidth = moved / median
+            record = dict(
+                scenario=scenario.name, backend=backend, interpret=interpret,
+                device_kind=device.device_kind, num_seqs=len(scenario.seqs),
+                num_tokens=int(batch[0].shape[0]), dtype=args.dtype, head_dim=args.head_dim,
+                num_kv_heads=args.num_kv_heads, group=args.group, page_size=args.page_size,
+                median_ms=median * 1e3, min_ms=min(times) * 1e3, bytes=moved,
+                bandwidth_gbps=bandwidth / 1e9, peak_fraction=None if peak is None else bandwidth / peak)
+            records.append(record)
+            print(json.dumps(record), flush=True)
 
-  print(f"\n{'scenario':<9} {'backend':<18} {'tokens':>7} {'median ms':>10} {'GB/s':>9} {'of peak':>8}")
-  for r in records:
-    name = r["backend"] + (" (interpret)" if r["interpret"] else "")
-    fraction = "-" if r["peak_fraction"] is None else f"{r['peak_fraction']:.1%}"
-    print(f"{r['scenario']:<9} {name:<18} {r['num_tokens']:>7} {r['median_ms']:>10.3f} "
-          f"{r['bandwidth_gbps']:>9.2f} {fraction:>8}")
-  if args.json_out:
-    args.json_out.write_text(json.dumps(records, indent=1))
+    print(f"\n{'scenario':<9} {'backend':<18} {'tokens':>7} {'median ms':>10} {'GB/s':>9} {'of peak':>8}")
+    for r in records:
+        name = r["backend"] + (" (interpret)" if r["interpret"] else "")
+        fraction = "-" if r["peak_fraction"] is None else f"{r['peak_fraction']:.1%}"
+        print(f"{r['scenario']:<9} {name:<18} {r['num_tokens']:>7} {r['median_ms']:>10.3f} "
+              f"{r['bandwidth_gbps']:>9.2f} {fraction:>8}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -16,50 +16,53 @@ BACKENDS = ("auto", "tpu", "gpu", "reference")
 
 def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                       sliding_window, soft_cap):
-  """Checks shapes, dtypes and static options at trace time; raises ValueError if wrong."""
-  if q.ndim != 3:
-    raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
-  if kv_cache.ndim != 4:
-    raise ValueError(
-        f"kv_cache must be [num_pages, page_size, 2 * num_kv_heads, head_dim], got {kv_cache.shape}")
-  _, num_q_heads, head_dim = q.shape
-  _, _, num_kv_heads_x2, kv_head_dim = kv_cache.shape
-  if kv_head_dim != head_dim:
-    raise ValueError(f"head_dim differs: q has {head_dim}, kv_cache has {kv_head_dim}")
-  if num_kv_heads_x2 % 2:
-    raise ValueError(f"kv_cache axis 2 must be 2 * num_kv_heads (K, V interleaved), got {num_kv_heads_x2}")
-  if num_q_heads % (num_kv_heads_x2 // 2):
-    raise ValueError(
-        f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads_x2 // 2}")
-  if q.dtype != kv_cache.dtype:
-    raise ValueError(f"q and kv_cache dtypes differ: {q.dtype} vs {kv_cache.dtype}")
-  max_num_seqs = kv_lens.shape[0]
-  if kv_lens.shape != (max_num_seqs,) or page_indices.ndim != 2 or page_indices.shape[0] != max_num_seqs:
-    raise ValueError(
-        f"kv_lens {kv_lens.shape} and page_indices {page_indices.shape} must be [max_num_seqs] "
-        "and [max_num_seqs, pages_per_seq]")
-  if cu_q_lens.shape != (max_num_seqs + 1,):
-    raise ValueError(f"cu_q_lens must be [max_num_seqs + 1] = [{max_num_seqs + 1}], got {cu_q_lens.shape}")
-  if num_seqs.shape != (1,):
-    raise ValueError(f"num_seqs must be i32[1], got shape {num_seqs.shape}")
-  for name, array in (("kv_lens", kv_lens), ("page_indices", page_indices),
-                      ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
-    if array.dtype != jax.numpy.int32:
-      raise ValueError(f"{name} must be int32, got {array.dtype}")
-  if sliding_window is not None and sliding_window < 1:
-    raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-  if soft_cap is not None and soft_cap <= 0:
-    raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    """Checks shapes, dtypes and static options at trace time; raises ValueError if wrong."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
+    if kv_cache.ndim != 4:
+        raise ValueError(
+            "kv_cache must be [num_pages, page_size, 2 * num_kv_heads, head_dim], "
+            f"got {kv_cache.shape}")
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads_x2, kv_head_dim = kv_cache.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim differs: q has {head_dim}, kv_cache has {kv_head_dim}")
+    if num_kv_heads_x2 % 2:
+        raise ValueError("kv_cache axis 2 must be 2 * num_kv_heads (K, V interleaved), "
+                         f"got {num_kv_heads_x2}")
+    if num_q_heads % (num_kv_heads_x2 // 2):
+        raise ValueError(
+            f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads_x2 // 2}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q and kv_cache dtypes differ: {q.dtype} vs {kv_cache.dtype}")
+    max_num_seqs = kv_lens.shape[0]
+    if kv_lens.ndim != 1 or page_indices.ndim != 2 or page_indices.shape[0] != max_num_seqs:
+        raise ValueError(
+            f"kv_lens {kv_lens.shape} and page_indices {page_indices.shape} must be [max_num_seqs] "
+            "and [max_num_seqs, pages_per_seq]")
+    if cu_q_lens.shape != (max_num_seqs + 1,):
+        raise ValueError(
+            f"cu_q_lens must be [max_num_seqs + 1] = [{max_num_seqs + 1}], got {cu_q_lens.shape}")
+    if num_seqs.shape != (1,):
+        raise ValueError(f"num_seqs must be i32[1], got shape {num_seqs.shape}")
+    for name, array in (("kv_lens", kv_lens), ("page_indices", page_indices),
+                        ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+        if array.dtype != jax.numpy.int32:
+            raise ValueError(f"{name} must be int32, got {array.dtype}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
 
 
 def resolve_backend(backend: str) -> str:
-  """Maps "auto" to the backend for the default device's platform (CPU -> reference)."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  if backend != "auto":
-    return backend
-  platform = jax.devices()[0].platform
-  return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "reference")
+    """Maps "auto" to the backend for the default device's platform (CPU -> reference)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    platform = jax.devices()[0].platform
+    return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "reference")
 
 
 def ragged_paged_attention(
@@ -76,35 +79,35 @@ def ragged_paged_attention(
     backend: str = "auto",
     interpret: bool = False,
 ):
-  """Attention for a ragged batch of sequences whose K/V live in a paged cache.
+    """Attention for a ragged batch of sequences whose K/V live in a paged cache.
 
-  Sequence s owns query tokens cu_q_lens[s]:cu_q_lens[s + 1] of q and KV positions
-  0..kv_lens[s] - 1 stored in pages page_indices[s]; kv_cache already holds the K/V of the query
-  tokens. Query token i of a sequence with q_len tokens sits at position kv_len - q_len + i and
-  attends to positions p with p <= its own and, with a sliding window, p > its own - window.
-  Query head h uses KV head h // (num_q_heads // num_kv_heads). Only the first num_seqs[0]
-  sequences are real; the output rows of padded tokens are finite but meaningless.
+    Sequence s owns query tokens cu_q_lens[s]:cu_q_lens[s + 1] of q and KV positions
+    0..kv_lens[s] - 1 stored in pages page_indices[s]; kv_cache already holds the K/V of the query
+    tokens. Query token i of a sequence with q_len tokens sits at position kv_len - q_len + i and
+    attends to positions p with p <= its own and, with a sliding window, p > its own - window.
+    Query head h uses KV head h // (num_q_heads // num_kv_heads). Only the first num_seqs[0]
+    sequences are real; the output rows of padded tokens are finite but meaningless.
 
-  Args:
-    sm_scale: multiplies the logits (usually head_dim ** -0.5).
-    sliding_window: attend to at most this many most recent positions (None: unlimited).
-    soft_cap: logits become soft_cap * tanh(logits / soft_cap) (None: no cap).
-    backend: "tpu", "gpu", "reference", or "auto" (by the default device's platform).
-    interpret: run the TPU or GPU kernel in Pallas interpret mode (works on CPU).
+    Args:
+      sm_scale: multiplies the logits (usually head_dim ** -0.5).
+      sliding_window: attend to at most this many most recent positions (None: unlimited).
+      soft_cap: logits become soft_cap * tanh(logits / soft_cap) (None: no cap).
+      backend: "tpu", "gpu", "reference", or "auto" (by the default device's platform).
+      interpret: run the TPU or GPU kernel in Pallas interpret mode (works on CPU).
 
-  Returns:
-    [T, num_q_heads, head_dim] in q's dtype.
-  """
-  check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                    sliding_window, soft_cap)
-  backend = resolve_backend(backend)
-  kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-  args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
-  if backend == "reference":
-    return ragged_paged_attention_reference(*args, **kwargs)
-  if backend == "tpu":
-    return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
-  return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)
+    Returns:
+      [T, num_q_heads, head_dim] in q's dtype.
+    """
+    check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                      sliding_window, soft_cap)
+    backend = resolve_backend(backend)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if backend == "reference":
+        return ragged_paged_attention_reference(*args, **kwargs)
+    if backend == "tpu":
+        return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
+    return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)
 
 
 __all__ = [

@@ -48,78 +48,78 @@ def _kernel(
     num_kv_splits: int,
     precision,
 ):
-  split = pl.program_id(2)
-  rows, head_dim = q_ref.shape
-  page_size = k_ref.shape[1]
-  kv_tokens = kv_pages * page_size
-  seq, first_token, end_token, pos_offset = (work_ref[i] for i in range(4))
+    split = pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    kv_tokens = kv_pages * page_size
+    seq, first_token, end_token, pos_offset = (work_ref[i] for i in range(4))
 
-  # KV positions any token of this item can see: [kv_start, kv_end).
-  kv_end = end_token + pos_offset
-  kv_start = 0
-  if sliding_window is not None:
-    kv_start = jnp.maximum(first_token + pos_offset - sliding_window + 1, 0)
-  first_block = kv_start // kv_tokens
-  end_block = jnp.where(end_token > first_token, pl.cdiv(kv_end, kv_tokens), first_block)
-  blocks_per_split = pl.cdiv(end_block - first_block, num_kv_splits)
-  split_first = first_block + split * blocks_per_split
-  split_end = jnp.minimum(split_first + blocks_per_split, end_block)
-
-  q = q_ref[...]
-  row_token = first_token + (jnp.arange(rows, dtype=jnp.int32) // group_padded)[:, None]
-  q_pos = row_token + pos_offset  # [rows, 1]
-
-  def body(kv_block, carry):
-    acc, m_prev, l_prev = carry
-    pages = page_indices_ref[seq, pl.ds(kv_block * kv_pages, kv_pages)]
-    k = k_ref[pages].reshape(kv_tokens, head_dim)
-    v = v_ref[pages].reshape(kv_tokens, head_dim)
-    k_pos = kv_block * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)
-    # Slots past the last query's position hold other data or NaN: 0 * NaN would poison p @ v.
-    v = jnp.where((k_pos < kv_end)[:, None], v, jnp.zeros_like(v))
-    s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = (row_token < end_token) & (k_pos[None, :] <= q_pos)
+    # KV positions any token of this item can see: [kv_start, kv_end).
+    kv_end = end_token + pos_offset
+    kv_start = 0
     if sliding_window is not None:
-      mask &= k_pos[None, :] > q_pos - sliding_window
-    s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-    alpha = jnp.exp(m_prev - m_new)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1)
-    pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-    return alpha[:, None] * acc + pv, m_new, l_new
+        kv_start = jnp.maximum(first_token + pos_offset - sliding_window + 1, 0)
+    first_block = kv_start // kv_tokens
+    end_block = jnp.where(end_token > first_token, pl.cdiv(kv_end, kv_tokens), first_block)
+    blocks_per_split = pl.cdiv(end_block - first_block, num_kv_splits)
+    split_first = first_block + split * blocks_per_split
+    split_end = jnp.minimum(split_first + blocks_per_split, end_block)
 
-  init = (jnp.zeros((rows, head_dim), jnp.float32),
-          jnp.full((rows,), MASK_VALUE, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
-  acc, m, l = lax.fori_loop(split_first, split_end, body, init)
-  o_ref[...] = acc
-  m_ref[...] = m
-  l_ref[...] = l
+    q = q_ref[...]
+    row_token = first_token + (jnp.arange(rows, dtype=jnp.int32) // group_padded)[:, None]
+    q_pos = row_token + pos_offset  # [rows, 1]
+
+    def body(kv_block, carry):
+        acc, m_prev, l_prev = carry
+        pages = page_indices_ref[seq, pl.ds(kv_block * kv_pages, kv_pages)]
+        k = k_ref[pages].reshape(kv_tokens, head_dim)
+        v = v_ref[pages].reshape(kv_tokens, head_dim)
+        k_pos = kv_block * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)
+        # Slots past the last query's position hold other data or NaN: 0 * NaN would poison p @ v.
+        v = jnp.where((k_pos < kv_end)[:, None], v, jnp.zeros_like(v))
+        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = (row_token < end_token) & (k_pos[None, :] <= q_pos)
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos - sliding_window
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_prev + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        return alpha[:, None] * acc + pv, m_new, l_new
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(split_first, split_end, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
 
 
 def work_items(cu_q_lens, kv_lens, num_seqs, q_tokens: int, num_work: int):
-  """Cuts the real sequences' query tokens into items of at most q_tokens tokens.
+    """Cuts the real sequences' query tokens into items of at most q_tokens tokens.
 
-  Returns (work i32[num_work, 4] rows of (seq, first token, end token, position offset), and
-  the first item of each sequence i32[max_num_seqs]). Items past the last are empty
-  (first == end == 0). Token t of an item's sequence sits at position t + position offset.
-  """
-  max_num_seqs = kv_lens.shape[0]
-  seq = jnp.arange(max_num_seqs, dtype=jnp.int32)
-  q_lens = jnp.where(seq < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
-  items_end = jnp.cumsum(pl.cdiv(q_lens, q_tokens))
-  items_start = items_end - pl.cdiv(q_lens, q_tokens)
-  item = jnp.arange(num_work, dtype=jnp.int32)
-  item_seq = jnp.minimum(jnp.searchsorted(items_end, item, side="right"), max_num_seqs - 1)
-  real = item < items_end[-1]
-  first = cu_q_lens[item_seq] + (item - items_start[item_seq]) * q_tokens
-  end = jnp.minimum(first + q_tokens, cu_q_lens[item_seq + 1])
-  pos_offset = kv_lens[item_seq] - cu_q_lens[item_seq + 1]
-  work = jnp.stack([item_seq, jnp.where(real, first, 0), jnp.where(real, end, 0), pos_offset], 1)
-  return work.astype(jnp.int32), items_start.astype(jnp.int32)
+    Returns (work i32[num_work, 4] rows of (seq, first token, end token, position offset), and
+    the first item of each sequence i32[max_num_seqs]). Items past the last are empty
+    (first == end == 0). Token t of an item's sequence sits at position t + position offset.
+    """
+    max_num_seqs = kv_lens.shape[0]
+    seq = jnp.arange(max_num_seqs, dtype=jnp.int32)
+    q_lens = jnp.where(seq < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    items_end = jnp.cumsum(pl.cdiv(q_lens, q_tokens))
+    items_start = items_end - pl.cdiv(q_lens, q_tokens)
+    item = jnp.arange(num_work, dtype=jnp.int32)
+    item_seq = jnp.minimum(jnp.searchsorted(items_end, item, side="right"), max_num_seqs - 1)
+    real = item < items_end[-1]
+    first = cu_q_lens[item_seq] + (item - items_start[item_seq]) * q_tokens
+    end = jnp.minimum(first + q_tokens, cu_q_lens[item_seq + 1])
+    pos_offset = kv_lens[item_seq] - cu_q_lens[item_seq + 1]
+    work = jnp.stack([item_seq, jnp.where(real, first, 0), jnp.where(real, end, 0), pos_offset], 1)
+    return work.astype(jnp.int32), items_start.astype(jnp.int32)
 
 
 @functools.partial(
@@ -139,90 +139,90 @@ def ragged_paged_attention_gpu(
     block_sizes: tuning.GpuBlockSizes | None = None,
     interpret: bool = False,
 ):
-  """Ragged paged attention on GPU (Pallas, Triton lowering); see `ragged_paged_attention`.
+    """Ragged paged attention on GPU (Pallas, Triton lowering); see `ragged_paged_attention`.
 
-  head_dim and page_size must be powers of two. `block_sizes` overrides the tuned table;
-  `interpret=True` runs the Pallas interpreter (CPU).
-  """
-  num_tokens, num_q_heads, head_dim = q.shape
-  num_pages, page_size, num_kv_heads_x2, _ = kv_cache.shape
-  num_kv_heads = num_kv_heads_x2 // 2
-  group = num_q_heads // num_kv_heads
-  group_padded = pl.next_power_of_2(group)
-  max_num_seqs, pages_per_seq = page_indices.shape
-  for name, value in (("head_dim", head_dim), ("page_size", page_size)):
-    if value & (value - 1) or value < 16:
-      raise ValueError(f"GPU kernel needs {name} a power of two >= 16, got {value}")
+    head_dim and page_size must be powers of two. `block_sizes` overrides the tuned table;
+    `interpret=True` runs the Pallas interpreter (CPU).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads_x2, _ = kv_cache.shape
+    num_kv_heads = num_kv_heads_x2 // 2
+    group = num_q_heads // num_kv_heads
+    group_padded = pl.next_power_of_2(group)
+    max_num_seqs, pages_per_seq = page_indices.shape
+    for name, value in (("head_dim", head_dim), ("page_size", page_size)):
+        if value & (value - 1) or value < 16:
+            raise ValueError(f"GPU kernel needs {name} a power of two >= 16, got {value}")
 
-  if block_sizes is None:
-    block_sizes = tuning.gpu_block_sizes(
-        dtype=q.dtype, head_dim=head_dim, page_size=page_size, group_padded=group_padded,
-        num_tokens=num_tokens, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq)
-  q_tokens, kv_pages = block_sizes.q_tokens, block_sizes.kv_pages
-  num_kv_splits = block_sizes.num_kv_splits
-  rows = q_tokens * group_padded
-  # Each sequence adds at most one partly filled item.
-  num_work = pl.cdiv(num_tokens, q_tokens) + min(max_num_seqs, num_tokens)
-  work, items_start = work_items(cu_q_lens, kv_lens, num_seqs, q_tokens, num_work)
+    if block_sizes is None:
+        block_sizes = tuning.gpu_block_sizes(
+            dtype=q.dtype, head_dim=head_dim, page_size=page_size, group_padded=group_padded,
+            num_tokens=num_tokens, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq)
+    q_tokens, kv_pages = block_sizes.q_tokens, block_sizes.kv_pages
+    num_kv_splits = block_sizes.num_kv_splits
+    rows = q_tokens * group_padded
+    # Each sequence adds at most one partly filled item.
+    num_work = pl.cdiv(num_tokens, q_tokens) + min(max_num_seqs, num_tokens)
+    work, items_start = work_items(cu_q_lens, kv_lens, num_seqs, q_tokens, num_work)
 
-  # Unused page entries -> dummy page 0; pad columns to whole KV blocks.
-  used_pages = pl.cdiv(kv_lens, page_size)[:, None]
-  page_indices = jnp.where(jnp.arange(pages_per_seq)[None, :] < used_pages, page_indices, 0)
-  page_indices = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % kv_pages)))
+    # Unused page entries -> dummy page 0; pad columns to whole KV blocks.
+    used_pages = pl.cdiv(kv_lens, page_size)[:, None]
+    page_indices = jnp.where(jnp.arange(pages_per_seq)[None, :] < used_pages, page_indices, 0)
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % kv_pages)))
 
-  # Queries in work layout: [num_work, num_kv_heads, q_tokens * group_padded, head_dim].
-  q_heads = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim),
-                    ((0, 0), (0, 0), (0, group_padded - group), (0, 0)))
-  token = jnp.minimum(work[:, 1:2] + jnp.arange(q_tokens)[None, :], num_tokens - 1)
-  q_work = q_heads[token].transpose(0, 2, 1, 3, 4).reshape(num_work, num_kv_heads, rows, head_dim)
+    # Queries in work layout: [num_work, num_kv_heads, q_tokens * group_padded, head_dim].
+    q_heads = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim),
+                      ((0, 0), (0, 0), (0, group_padded - group), (0, 0)))
+    token = jnp.minimum(work[:, 1:2] + jnp.arange(q_tokens)[None, :], num_tokens - 1)
+    q_work = q_heads[token].transpose(0, 2, 1, 3, 4).reshape(num_work, num_kv_heads, rows, head_dim)
 
-  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
-  kernel = functools.partial(
-      _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-      group_padded=group_padded, kv_pages=kv_pages, num_kv_splits=num_kv_splits,
-      precision=precision)
-  kv_plane_shape = (num_pages, page_size, None, head_dim)
-  partial_shape = (num_kv_splits, num_work, num_kv_heads, rows)
-  acc, m, l = pl.pallas_call(
-      kernel,
-      grid=(num_work, num_kv_heads, num_kv_splits),
-      in_specs=[
-          pl.BlockSpec((None, 4), lambda item, head, split: (item, 0)),
-          pl.BlockSpec(page_indices.shape, lambda item, head, split: (0, 0)),
-          pl.BlockSpec((None, None, rows, head_dim), lambda item, head, split: (item, head, 0, 0)),
-          pl.BlockSpec(kv_plane_shape, lambda item, head, split: (0, 0, 2 * head, 0)),
-          pl.BlockSpec(kv_plane_shape, lambda item, head, split: (0, 0, 2 * head + 1, 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, rows, head_dim),
-                       lambda item, head, split: (split, item, head, 0, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda item, head, split: (split, item, head, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda item, head, split: (split, item, head, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
-          jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-          jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-      ],
-      compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
-                                           num_stages=block_sizes.num_stages),
-      interpret=interpret,
-      name="ragged_paged_attention_gpu",
-  )(work, page_indices, q_work, kv_cache, kv_cache)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        group_padded=group_padded, kv_pages=kv_pages, num_kv_splits=num_kv_splits,
+        precision=precision)
+    kv_plane_shape = (num_pages, page_size, None, head_dim)
+    partial_shape = (num_kv_splits, num_work, num_kv_heads, rows)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(num_work, num_kv_heads, num_kv_splits),
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda item, head, split: (item, 0)),
+            pl.BlockSpec(page_indices.shape, lambda item, head, split: (0, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda item, head, split: (item, head, 0, 0)),
+            pl.BlockSpec(kv_plane_shape, lambda item, head, split: (0, 0, 2 * head, 0)),
+            pl.BlockSpec(kv_plane_shape, lambda item, head, split: (0, 0, 2 * head + 1, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim),
+                         lambda item, head, split: (split, item, head, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda item, head, split: (split, item, head, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda item, head, split: (split, item, head, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                                             num_stages=block_sizes.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(work, page_indices, q_work, kv_cache, kv_cache)
 
-  out = combine_splits(acc, m, l)  # [num_work, num_kv_heads, rows, head_dim]
-  out = out.reshape(num_work, num_kv_heads, q_tokens, group_padded, head_dim)
-  seq, _, is_real = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
-  offset = jnp.arange(num_tokens) - cu_q_lens[seq]
-  out = out[items_start[seq] + offset // q_tokens, :, offset % q_tokens, :group]
-  out = jnp.where(is_real[:, None, None, None], out, 0.0)
-  return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    out = combine_splits(acc, m, l)  # [num_work, num_kv_heads, rows, head_dim]
+    out = out.reshape(num_work, num_kv_heads, q_tokens, group_padded, head_dim)
+    seq, _, is_real = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    offset = jnp.arange(num_tokens) - cu_q_lens[seq]
+    out = out[items_start[seq] + offset // q_tokens, :, offset % q_tokens, :group]
+    out = jnp.where(is_real[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
 def combine_splits(acc, m, l):
-  """Merges flash-decoding partials over axis 0: acc f32[S, ..., D], m and l f32[S, ...]."""
-  m_max = jnp.max(m, axis=0)
-  weight = jnp.exp(m - m_max)  # empty splits have m = MASK_VALUE: weight 0 (or l = 0)
-  l_total = jnp.sum(l * weight, axis=0)
-  acc_total = jnp.sum(acc * weight[..., None], axis=0)
-  return acc_total / jnp.where(l_total > 0, l_total, 1.0)[..., None]
+    """Merges flash-decoding partials over axis 0: acc f32[S, ..., D], m and l f32[S, ...]."""
+    m_max = jnp.max(m, axis=0)
+    weight = jnp.exp(m - m_max)  # empty splits have m = MASK_VALUE: weight 0 (or l = 0)
+    l_total = jnp.sum(l * weight, axis=0)
+    acc_total = jnp.sum(acc * weight[..., None], axis=0)
+    return acc_total / jnp.where(l_total > 0, l_total, 1.0)[..., None]

@@ -63,125 +63,125 @@ def _kernel(
     kv_pages: int,
     packed: bool,
 ):
-  q_block = pl.program_id(0)
-  num_kv_heads, q_rows, _ = q_ref.shape
-  rows_per_page = kv_hbm_ref.shape[1]
-  rows_per_token = rows_per_page // page_size
-  kv_tokens = kv_pages * page_size
-  block_first_token = q_block * q_tokens
+    q_block = pl.program_id(0)
+    num_kv_heads, q_rows, _ = q_ref.shape
+    rows_per_page = kv_hbm_ref.shape[1]
+    rows_per_token = rows_per_page // page_size
+    kv_tokens = kv_pages * page_size
+    block_first_token = q_block * q_tokens
 
-  # Every step owns its output block, so it starts fresh.
-  m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-  l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-  acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    # Every step owns its output block, so it starts fresh.
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  def page_copy(seq, page, slot, page_in_block):
-    return pltpu.make_async_copy(
-        kv_hbm_ref.at[page_indices_ref[seq * pages_per_seq + page]],
-        kv_bufs.at[slot, pl.ds(page_in_block * rows_per_page, rows_per_page)],
-        sems.at[slot])
+    def page_copy(seq, page, slot, page_in_block):
+        return pltpu.make_async_copy(
+            kv_hbm_ref.at[page_indices_ref[seq * pages_per_seq + page]],
+            kv_bufs.at[slot, pl.ds(page_in_block * rows_per_page, rows_per_page)],
+            sems.at[slot])
 
-  def for_each_page(seq, kv_block, slot, action):
-    # Only pages that hold tokens: the rest of page_indices may point anywhere.
-    num_pages = pl.cdiv(kv_lens_ref[seq], page_size) - kv_block * kv_pages
-    def body(page_in_block, carry):
-      action(page_copy(seq, kv_block * kv_pages + page_in_block, slot, page_in_block))
-      return carry
-    lax.fori_loop(0, jnp.minimum(kv_pages, num_pages), body, 0)
+    def for_each_page(seq, kv_block, slot, action):
+        # Only pages that hold tokens: the rest of page_indices may point anywhere.
+        num_pages = pl.cdiv(kv_lens_ref[seq], page_size) - kv_block * kv_pages
+        def body(page_in_block, carry):
+            action(page_copy(seq, kv_block * kv_pages + page_in_block, slot, page_in_block))
+            return carry
+        lax.fori_loop(0, jnp.minimum(kv_pages, num_pages), body, 0)
 
-  def start_fetch(seq, kv_block, slot):
-    for_each_page(seq, kv_block, slot, lambda copy: copy.start())
+    def start_fetch(seq, kv_block, slot):
+        for_each_page(seq, kv_block, slot, lambda copy: copy.start())
 
-  def wait_fetch(seq, kv_block, slot):
-    for_each_page(seq, kv_block, slot, lambda copy: copy.wait())
+    def wait_fetch(seq, kv_block, slot):
+        for_each_page(seq, kv_block, slot, lambda copy: copy.wait())
 
-  def attend_block(kv_block, slot, first_token, end_token, pos_offset, kv_len):
-    """Online-softmax update of the rows of tokens [first_token, end_token) with one KV block."""
-    shape = (q_rows, kv_tokens)
-    row_token = block_first_token + lax.broadcasted_iota(jnp.int32, shape, 0) // group
-    q_pos = row_token + pos_offset
-    k_pos = kv_block * kv_tokens + lax.broadcasted_iota(jnp.int32, shape, 1)
-    mask = (row_token >= first_token) & (row_token < end_token) & (k_pos <= q_pos)
-    if sliding_window is not None:
-      mask &= k_pos > q_pos - sliding_window
-    # Slots past kv_len hold stale or NaN data; 0 * NaN in p @ v would poison the sum.
-    k_valid = kv_block * kv_tokens + lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0) < kv_len
+    def attend_block(kv_block, slot, first_token, end_token, pos_offset, kv_len):
+        """Online-softmax update of rows of tokens [first_token, end_token) by one KV block."""
+        shape = (q_rows, kv_tokens)
+        row_token = block_first_token + lax.broadcasted_iota(jnp.int32, shape, 0) // group
+        q_pos = row_token + pos_offset
+        k_pos = kv_block * kv_tokens + lax.broadcasted_iota(jnp.int32, shape, 1)
+        mask = (row_token >= first_token) & (row_token < end_token) & (k_pos <= q_pos)
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        # Slots past kv_len hold stale or NaN data; 0 * NaN in p @ v would poison the sum.
+        k_valid = kv_block * kv_tokens + lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0) < kv_len
 
-    for h in range(num_kv_heads):  # static: few heads, and each gets its own refs slice
-      k_row = h if packed else 2 * h
-      k = kv_bufs[slot, pl.ds(k_row, kv_tokens, stride=rows_per_token), :]
-      k = jnp.where(k_valid, k, jnp.zeros_like(k))
-      if packed:
-        v = k
-      else:
-        v = kv_bufs[slot, pl.ds(k_row + 1, kv_tokens, stride=rows_per_token), :]
-        v = jnp.where(k_valid, v, jnp.zeros_like(v))
-      s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32) * sm_scale
-      if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-      s = jnp.where(mask, s, MASK_VALUE)
-      m_prev = m_ref[h][:, :1]  # [q_rows, 1]
-      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-      alpha = jnp.exp(m_prev - m_new)
-      l_ref[h] = jnp.broadcast_to(alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True),
-                                  (q_rows, _STAT_LANES))
-      m_ref[h] = jnp.broadcast_to(m_new, (q_rows, _STAT_LANES))
-      pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-      acc_ref[h] = alpha * acc_ref[h] + pv
+        for h in range(num_kv_heads):  # static: few heads, and each gets its own refs slice
+            k_row = h if packed else 2 * h
+            k = kv_bufs[slot, pl.ds(k_row, kv_tokens, stride=rows_per_token), :]
+            k = jnp.where(k_valid, k, jnp.zeros_like(k))
+            if packed:
+                v = k
+            else:
+                v = kv_bufs[slot, pl.ds(k_row + 1, kv_tokens, stride=rows_per_token), :]
+                v = jnp.where(k_valid, v, jnp.zeros_like(v))
+            s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(mask, s, MASK_VALUE)
+            m_prev = m_ref[h][:, :1]  # [q_rows, 1]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            l_ref[h] = jnp.broadcast_to(alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True),
+                                        (q_rows, _STAT_LANES))
+            m_ref[h] = jnp.broadcast_to(m_new, (q_rows, _STAT_LANES))
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            acc_ref[h] = alpha * acc_ref[h] + pv
 
-  def attend_seq(seq, carry):
-    q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
-    kv_len = kv_lens_ref[seq]
-    # The tokens of seq inside this query block, and the KV range they can see.
-    first_token = jnp.maximum(q_start, block_first_token)
-    end_token = jnp.minimum(q_end, block_first_token + q_tokens)
-    pos_offset = kv_len - q_end  # token t sits at position t + pos_offset
-    kv_start = 0
-    if sliding_window is not None:
-      kv_start = jnp.maximum(first_token + pos_offset - sliding_window + 1, 0)
-    first_kv_block = kv_start // kv_tokens
-    end_kv_block = jnp.where(end_token > first_token,
-                             pl.cdiv(end_token + pos_offset, kv_tokens), first_kv_block)
+    def attend_seq(seq, carry):
+        q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+        kv_len = kv_lens_ref[seq]
+        # The tokens of seq inside this query block, and the KV range they can see.
+        first_token = jnp.maximum(q_start, block_first_token)
+        end_token = jnp.minimum(q_end, block_first_token + q_tokens)
+        pos_offset = kv_len - q_end  # token t sits at position t + pos_offset
+        kv_start = 0
+        if sliding_window is not None:
+            kv_start = jnp.maximum(first_token + pos_offset - sliding_window + 1, 0)
+        first_kv_block = kv_start // kv_tokens
+        end_kv_block = jnp.where(end_token > first_token,
+                                 pl.cdiv(end_token + pos_offset, kv_tokens), first_kv_block)
 
-    @pl.when(first_kv_block < end_kv_block)
-    def _():
-      start_fetch(seq, first_kv_block, 0)
+        @pl.when(first_kv_block < end_kv_block)
+        def _():
+            start_fetch(seq, first_kv_block, 0)
 
-    def kv_step(kv_block, carry):
-      slot = (kv_block - first_kv_block) % 2
+        def kv_step(kv_block, carry):
+            slot = (kv_block - first_kv_block) % 2
 
-      @pl.when(kv_block + 1 < end_kv_block)
-      def _():
-        start_fetch(seq, kv_block + 1, 1 - slot)
+            @pl.when(kv_block + 1 < end_kv_block)
+            def _():
+                start_fetch(seq, kv_block + 1, 1 - slot)
 
-      wait_fetch(seq, kv_block, slot)
-      attend_block(kv_block, slot, first_token, end_token, pos_offset, kv_len)
-      return carry
+            wait_fetch(seq, kv_block, slot)
+            attend_block(kv_block, slot, first_token, end_token, pos_offset, kv_len)
+            return carry
 
-    lax.fori_loop(first_kv_block, end_kv_block, kv_step, 0)
-    return carry
+        lax.fori_loop(first_kv_block, end_kv_block, kv_step, 0)
+        return carry
 
-  lax.fori_loop(seq_ranges_ref[2 * q_block], seq_ranges_ref[2 * q_block + 1], attend_seq, 0)
+    lax.fori_loop(seq_ranges_ref[2 * q_block], seq_ranges_ref[2 * q_block + 1], attend_seq, 0)
 
-  for h in range(num_kv_heads):
-    l = l_ref[h][:, :1]
-    # Rows no sequence owns (padding) have l == 0 and acc == 0: write zeros.
-    o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    for h in range(num_kv_heads):
+        l = l_ref[h][:, :1]
+        # Rows no sequence owns (padding) have l == 0 and acc == 0: write zeros.
+        o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
 def block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks: int, q_tokens: int):
-  """i32[2 * num_q_blocks]: for each query block, the first and end (exclusive) sequence with
-  tokens in it (interleaved first, end). Padded sequences are excluded."""
-  max_num_seqs = cu_q_lens.shape[0] - 1
-  block_start = jnp.arange(num_q_blocks, dtype=jnp.int32) * q_tokens
-  # First sequence ending after the block start; sequences starting before the block end.
-  first = jnp.searchsorted(cu_q_lens[1:], block_start, side="right")
-  end = jnp.searchsorted(cu_q_lens[:max_num_seqs], block_start + q_tokens, side="left")
-  first = jnp.minimum(first, num_seqs[0])
-  end = jnp.maximum(jnp.minimum(end, num_seqs[0]), first)
-  return jnp.stack([first, end], axis=1).reshape(-1).astype(jnp.int32)
+    """i32[2 * num_q_blocks]: for each query block, the first and end (exclusive) sequence with
+    tokens in it (interleaved first, end). Padded sequences are excluded."""
+    max_num_seqs = cu_q_lens.shape[0] - 1
+    block_start = jnp.arange(num_q_blocks, dtype=jnp.int32) * q_tokens
+    # First sequence ending after the block start; sequences starting before the block end.
+    first = jnp.searchsorted(cu_q_lens[1:], block_start, side="right")
+    end = jnp.searchsorted(cu_q_lens[:max_num_seqs], block_start + q_tokens, side="left")
+    first = jnp.minimum(first, num_seqs[0])
+    end = jnp.maximum(jnp.minimum(end, num_seqs[0]), first)
+    return jnp.stack([first, end], axis=1).reshape(-1).astype(jnp.int32)
 
 
 @functools.partial(
@@ -201,72 +201,72 @@ def ragged_paged_attention_tpu(
     block_sizes: tuning.TpuBlockSizes | None = None,
     interpret: bool = False,
 ):
-  """Ragged paged attention on TPU (Mosaic); see `ragged_paged_attention` for the contract.
+    """Ragged paged attention on TPU (Mosaic); see `ragged_paged_attention` for the contract.
 
-  head_dim must be 64 or a multiple of 128. `block_sizes` overrides the tuned table;
-  `interpret=True` runs the Pallas TPU interpreter (CPU).
-  """
-  num_tokens, num_q_heads, head_dim = q.shape
-  num_pages, page_size, num_kv_heads_x2, _ = kv_cache.shape
-  num_kv_heads = num_kv_heads_x2 // 2
-  group = num_q_heads // num_kv_heads
-  max_num_seqs, pages_per_seq = page_indices.shape
-  packed = head_dim == 64
-  if not packed and head_dim % 128:
-    raise ValueError(f"TPU kernel needs head_dim 64 or a multiple of 128, got {head_dim}")
-  if page_size % 8:
-    raise ValueError(f"TPU kernel needs page_size a multiple of 8, got {page_size}")
-  lanes = 2 * head_dim if packed else head_dim
-  rows_per_token = num_kv_heads if packed else 2 * num_kv_heads
+    head_dim must be 64 or a multiple of 128. `block_sizes` overrides the tuned table;
+    `interpret=True` runs the Pallas TPU interpreter (CPU).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads_x2, _ = kv_cache.shape
+    num_kv_heads = num_kv_heads_x2 // 2
+    group = num_q_heads // num_kv_heads
+    max_num_seqs, pages_per_seq = page_indices.shape
+    packed = head_dim == 64
+    if not packed and head_dim % 128:
+        raise ValueError(f"TPU kernel needs head_dim 64 or a multiple of 128, got {head_dim}")
+    if page_size % 8:
+        raise ValueError(f"TPU kernel needs page_size a multiple of 8, got {page_size}")
+    lanes = 2 * head_dim if packed else head_dim
+    rows_per_token = num_kv_heads if packed else 2 * num_kv_heads
 
-  if block_sizes is None:
-    block_sizes = tuning.tpu_block_sizes(
-        dtype=q.dtype, head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
-        num_tokens=num_tokens, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq)
-  q_tokens = block_sizes.q_tokens
-  kv_pages = min(block_sizes.kv_pages, pages_per_seq)
-  num_q_blocks = pl.cdiv(num_tokens, q_tokens)
-  q_rows = q_tokens * group
+    if block_sizes is None:
+        block_sizes = tuning.tpu_block_sizes(
+            dtype=q.dtype, head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
+            num_tokens=num_tokens, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq)
+    q_tokens = block_sizes.q_tokens
+    kv_pages = min(block_sizes.kv_pages, pages_per_seq)
+    num_q_blocks = pl.cdiv(num_tokens, q_tokens)
+    q_rows = q_tokens * group
 
-  # [T, H, D] -> [num_kv_heads, T_padded * group, lanes]; rows of one KV head's group adjacent.
-  q_blocked = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-  q_blocked = jnp.pad(q_blocked, ((0, num_q_blocks * q_tokens - num_tokens), (0, 0), (0, 0),
-                                  (0, lanes - head_dim)))
-  q_blocked = q_blocked.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, lanes)
-  kv_view = kv_cache.reshape(num_pages, page_size * rows_per_token, lanes)
+    # [T, H, D] -> [num_kv_heads, T_padded * group, lanes]; rows of one KV head's group adjacent.
+    q_blocked = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q_blocked = jnp.pad(q_blocked, ((0, num_q_blocks * q_tokens - num_tokens), (0, 0), (0, 0),
+                                    (0, lanes - head_dim)))
+    q_blocked = q_blocked.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, lanes)
+    kv_view = kv_cache.reshape(num_pages, page_size * rows_per_token, lanes)
 
-  kernel = functools.partial(
-      _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
-      q_tokens=q_tokens, page_size=page_size, pages_per_seq=pages_per_seq, kv_pages=kv_pages,
-      packed=packed)
-  q_spec = pl.BlockSpec((num_kv_heads, q_rows, lanes), lambda q_block, *_: (0, q_block, 0))
-  kv_buf_rows = kv_pages * page_size * rows_per_token
-  itemsize = jnp.dtype(q.dtype).itemsize
-  vmem_bytes = (2 * kv_buf_rows * lanes * itemsize  # KV double buffer
-                + 4 * num_kv_heads * q_rows * lanes * itemsize  # q and o, double-buffered
-                + 4 * num_kv_heads * q_rows * (lanes + 2 * _STAT_LANES))  # f32 accumulators
-  out = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4,
-          grid=(num_q_blocks,),
-          in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
-          out_specs=q_spec,
-          scratch_shapes=[
-              pltpu.VMEM((2, kv_buf_rows, lanes), kv_cache.dtype),
-              pltpu.SemaphoreType.DMA((2,)),
-              pltpu.VMEM((num_kv_heads, q_rows, _STAT_LANES), jnp.float32),
-              pltpu.VMEM((num_kv_heads, q_rows, _STAT_LANES), jnp.float32),
-              pltpu.VMEM((num_kv_heads, q_rows, lanes), jnp.float32),
-          ]),
-      out_shape=jax.ShapeDtypeStruct(q_blocked.shape, q.dtype),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel",),
-          vmem_limit_bytes=max(32 * 1024 * 1024, int(1.5 * vmem_bytes))),
-      interpret=pltpu.InterpretParams() if interpret else False,
-      name="ragged_paged_attention_tpu",
-  )(kv_lens, page_indices.reshape(-1), cu_q_lens,
-    block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks, q_tokens), q_blocked, kv_view)
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
+        q_tokens=q_tokens, page_size=page_size, pages_per_seq=pages_per_seq, kv_pages=kv_pages,
+        packed=packed)
+    q_spec = pl.BlockSpec((num_kv_heads, q_rows, lanes), lambda q_block, *_: (0, q_block, 0))
+    kv_buf_rows = kv_pages * page_size * rows_per_token
+    itemsize = jnp.dtype(q.dtype).itemsize
+    vmem_bytes = (2 * kv_buf_rows * lanes * itemsize  # KV double buffer
+                  + 4 * num_kv_heads * q_rows * lanes * itemsize  # q and o, double-buffered
+                  + 4 * num_kv_heads * q_rows * (lanes + 2 * _STAT_LANES))  # f32 accumulators
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(num_q_blocks,),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM((2, kv_buf_rows, lanes), kv_cache.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((num_kv_heads, q_rows, _STAT_LANES), jnp.float32),
+                pltpu.VMEM((num_kv_heads, q_rows, _STAT_LANES), jnp.float32),
+                pltpu.VMEM((num_kv_heads, q_rows, lanes), jnp.float32),
+            ]),
+        out_shape=jax.ShapeDtypeStruct(q_blocked.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",),
+            vmem_limit_bytes=max(32 * 1024 * 1024, int(1.5 * vmem_bytes))),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention_tpu",
+    )(kv_lens, page_indices.reshape(-1), cu_q_lens,
+      block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks, q_tokens), q_blocked, kv_view)
 
-  out = out.reshape(num_kv_heads, -1, group, lanes).transpose(1, 0, 2, 3)[:num_tokens]
-  return out[..., lanes - head_dim:].reshape(num_tokens, num_q_heads, head_dim)
+    out = out.reshape(num_kv_heads, -1, group, lanes).transpose(1, 0, 2, 3)[:num_tokens]
+    return out[..., lanes - head_dim:].reshape(num_tokens, num_q_heads, head_dim)

@@ -14,17 +14,17 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class TpuBlockSizes:
-  q_tokens: int  # query tokens per grid step (all heads); a multiple of 16
-  kv_pages: int  # pages per KV block, the unit of the double-buffered page DMAs
+    q_tokens: int  # query tokens per grid step (all heads); a multiple of 16
+    kv_pages: int  # pages per KV block, the unit of the double-buffered page DMAs
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
-  q_tokens: int  # query tokens of one sequence per program; q_tokens * group_padded >= 16
-  kv_pages: int  # pages loaded per inner-loop step
-  num_kv_splits: int  # programs splitting one sequence's KV (flash decoding); combined after
-  num_warps: int = 4
-  num_stages: int = 2
+    q_tokens: int  # query tokens of one sequence per program; q_tokens * group_padded >= 16
+    kv_pages: int  # pages loaded per inner-loop step
+    num_kv_splits: int  # programs splitting one sequence's KV (flash decoding); combined after
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 # (generation, dtype, head_dim, page_size, decode_only) -> (q_tokens, kv_tokens per block)
@@ -58,58 +58,60 @@ _TPU_GENERATIONS = (("v5 lite", "v5e"), ("v5e", "v5e"), ("v6", "v6e"), ("v5", "v
 
 
 def tpu_generation(device_kind: str | None = None) -> str:
-  """'TPU v5 lite' -> 'v5e', 'TPU v6 lite' -> 'v6e', 'TPU7x' -> 'v7'; '' when unknown."""
-  if device_kind is None:
-    device_kind = jax.devices()[0].device_kind
-  kind = device_kind.lower().replace("tpu", "").strip()
-  for prefix, generation in _TPU_GENERATIONS:
-    if kind.startswith(prefix):
-      return generation
-  return ""
+    """'TPU v5 lite' -> 'v5e', 'TPU v6 lite' -> 'v6e', 'TPU7x' -> 'v7'; '' when unknown."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    kind = device_kind.lower().replace("tpu", "").strip()
+    for prefix, generation in _TPU_GENERATIONS:
+        if kind.startswith(prefix):
+            return generation
+    return ""
 
 
 def _next_power_of_2(x: int) -> int:
-  return 1 << max(x - 1, 0).bit_length()
+    return 1 << max(x - 1, 0).bit_length()
 
 
 def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
+    return -(-x // multiple) * multiple
 
 
 def tpu_block_sizes(*, dtype, head_dim: int, page_size: int, num_kv_heads: int, num_tokens: int,
                     max_num_seqs: int, pages_per_seq: int,
                     device_kind: str | None = None) -> TpuBlockSizes:
-  """Block sizes for the TPU kernel: table row if any, else heuristic, then clamped."""
-  decode_only = num_tokens <= max_num_seqs
-  key = (tpu_generation(device_kind), jax.numpy.dtype(dtype).name, head_dim, page_size, decode_only)
-  q_tokens, kv_tokens = _TPU_TABLE.get(key, (16 if decode_only else 64, 512))
-  kv_pages = max(1, kv_tokens // page_size)
-  # Keep both KV buffers within budget: bytes per page = page_size * 2 * kv_heads * head_dim.
-  page_bytes = page_size * 2 * num_kv_heads * max(head_dim, 64) * jax.numpy.dtype(dtype).itemsize
-  kv_pages = max(1, min(kv_pages, _TPU_KV_BUFFER_BYTES // (2 * page_bytes), pages_per_seq))
-  # Multiples of 16 keep q_tokens * group a multiple of the bf16 sublane tile.
-  q_tokens = max(16, min(_round_up(q_tokens, 16), _round_up(num_tokens, 16)))
-  return TpuBlockSizes(q_tokens=q_tokens, kv_pages=kv_pages)
+    """Block sizes for the TPU kernel: table row if any, else heuristic, then clamped."""
+    decode_only = num_tokens <= max_num_seqs
+    dtype_name = jax.numpy.dtype(dtype).name
+    key = (tpu_generation(device_kind), dtype_name, head_dim, page_size, decode_only)
+    q_tokens, kv_tokens = _TPU_TABLE.get(key, (16 if decode_only else 64, 512))
+    kv_pages = max(1, kv_tokens // page_size)
+    # Keep both KV buffers within budget: bytes per page = page_size * 2 * kv_heads * head_dim.
+    page_bytes = page_size * 2 * num_kv_heads * max(head_dim, 64) * jax.numpy.dtype(dtype).itemsize
+    kv_pages = max(1, min(kv_pages, _TPU_KV_BUFFER_BYTES // (2 * page_bytes), pages_per_seq))
+    # Multiples of 16 keep q_tokens * group a multiple of the bf16 sublane tile.
+    q_tokens = max(16, min(_round_up(q_tokens, 16), _round_up(num_tokens, 16)))
+    return TpuBlockSizes(q_tokens=q_tokens, kv_pages=kv_pages)
 
 
 def gpu_block_sizes(*, dtype, head_dim: int, page_size: int, group_padded: int, num_tokens: int,
                     max_num_seqs: int, pages_per_seq: int) -> GpuBlockSizes:
-  """Block sizes for the GPU kernel: table row if any, else heuristic, then clamped.
+    """Block sizes for the GPU kernel: table row if any, else heuristic, then clamped.
 
-  Power-of-two sizes everywhere (Triton block shapes must be), at least 16 query rows per
-  program (tensor-core dots need M >= 16).
-  """
-  decode_only = num_tokens <= max_num_seqs
-  key = (jax.numpy.dtype(dtype).name, head_dim, decode_only)
-  q_rows, kv_tokens, num_warps = _GPU_TABLE.get(key, (16 if decode_only else 64, 64, 4))
-  q_tokens = max(1, _next_power_of_2(q_rows) // group_padded)
-  if not decode_only:
-    q_tokens = min(q_tokens, _next_power_of_2(num_tokens))
-  q_tokens = max(q_tokens, _next_power_of_2(-(-16 // group_padded)))
-  kv_pages = min(_next_power_of_2(max(1, kv_tokens // page_size)), _next_power_of_2(pages_per_seq))
-  # Flash decoding: split long KV so that decode batches still fill the GPU; about 4 steps each.
-  num_kv_splits = 1
-  if decode_only:
-    num_kv_splits = max(1, min(16, pages_per_seq // (4 * kv_pages)))
-  return GpuBlockSizes(q_tokens=q_tokens, kv_pages=kv_pages, num_kv_splits=num_kv_splits,
-                       num_warps=num_warps)
+    Power-of-two sizes everywhere (Triton block shapes must be), at least 16 query rows per
+    program (tensor-core dots need M >= 16).
+    """
+    decode_only = num_tokens <= max_num_seqs
+    key = (jax.numpy.dtype(dtype).name, head_dim, decode_only)
+    q_rows, kv_tokens, num_warps = _GPU_TABLE.get(key, (16 if decode_only else 64, 64, 4))
+    q_tokens = max(1, _next_power_of_2(q_rows) // group_padded)
+    if not decode_only:
+        q_tokens = min(q_tokens, _next_power_of_2(num_tokens))
+    q_tokens = max(q_tokens, _next_power_of_2(-(-16 // group_padded)))
+    kv_pages = min(_next_power_of_2(max(1, kv_tokens // page_size)),
+                   _next_power_of_2(pages_per_seq))
+    # Flash decoding: split long KV so that decode batches still fill the GPU; about 4 steps each.
+    num_kv_splits = 1
+    if decode_only:
+        num_kv_splits = max(1, min(16, pages_per_seq // (4 * kv_pages)))
+    return GpuBlockSizes(q_tokens=q_tokens, kv_pages=kv_pages, num_kv_splits=num_kv_splits,
+                         num_warps=num_warps)

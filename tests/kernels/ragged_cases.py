@@ -14,114 +14,114 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One ragged batch: `seqs` lists (q_len, kv_len) per real sequence."""
-  seqs: tuple[tuple[int, int], ...]
-  num_kv_heads: int = 2
-  group: int = 1  # query heads per KV head
-  head_dim: int = 128
-  page_size: int = 16
-  dtype: str = "float32"
-  sliding_window: int | None = None
-  soft_cap: float | None = None
-  padded_seqs: int = 1  # sequences past num_seqs
-  padded_tokens: int = 3  # query tokens past cu_q_lens[num_seqs]
-  q_scale: float = 1.0  # larger q makes the soft cap bite
+    """One ragged batch: `seqs` lists (q_len, kv_len) per real sequence."""
+    seqs: tuple[tuple[int, int], ...]
+    num_kv_heads: int = 2
+    group: int = 1  # query heads per KV head
+    head_dim: int = 128
+    page_size: int = 16
+    dtype: str = "float32"
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    padded_seqs: int = 1  # sequences past num_seqs
+    padded_tokens: int = 3  # query tokens past cu_q_lens[num_seqs]
+    q_scale: float = 1.0  # larger q makes the soft cap bite
 
-  def __str__(self):
-    fields = [f"seqs{list(self.seqs)}", f"kvh{self.num_kv_heads}", f"g{self.group}",
-              f"d{self.head_dim}", f"ps{self.page_size}", self.dtype]
-    if self.sliding_window:
-      fields.append(f"win{self.sliding_window}")
-    if self.soft_cap:
-      fields.append(f"cap{self.soft_cap}")
-    return "-".join(fields).replace(" ", "")
+    def __str__(self):
+        fields = [f"seqs{list(self.seqs)}", f"kvh{self.num_kv_heads}", f"g{self.group}",
+                  f"d{self.head_dim}", f"ps{self.page_size}", self.dtype]
+        if self.sliding_window:
+            fields.append(f"win{self.sliding_window}")
+        if self.soft_cap:
+            fields.append(f"cap{self.soft_cap}")
+        return "-".join(fields).replace(" ", "")
 
 
 @dataclasses.dataclass
 class Inputs:
-  args: tuple  # (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) as jax arrays
-  kwargs: dict  # sm_scale, sliding_window, soft_cap
-  num_real_tokens: int
-  q64: np.ndarray  # [T, num_q_heads, head_dim] float64, as rounded to the case dtype
-  k64: list  # per sequence [kv_len, num_kv_heads, head_dim] float64
-  v64: list
+    args: tuple  # (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) as jax arrays
+    kwargs: dict  # sm_scale, sliding_window, soft_cap
+    num_real_tokens: int
+    q64: np.ndarray  # [T, num_q_heads, head_dim] float64, as rounded to the case dtype
+    k64: list  # per sequence [kv_len, num_kv_heads, head_dim] float64
+    v64: list
 
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
-  rng = np.random.default_rng(seed)
-  dtype = jnp.dtype(case.dtype)
-  kvh, page_size, head_dim = case.num_kv_heads, case.page_size, case.head_dim
-  num_q_heads = kvh * case.group
-  pages_needed = [math.ceil(kv_len / page_size) for _, kv_len in case.seqs]
-  pages_per_seq = max(pages_needed) + 1  # at least one unused entry per sequence
-  num_spare_pages = 3  # all-NaN pages that unused page_indices entries point at
-  num_pages = 1 + sum(pages_needed) + num_spare_pages  # page 0 is the dummy page
-  max_num_seqs = len(case.seqs) + case.padded_seqs
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(case.dtype)
+    kvh, page_size, head_dim = case.num_kv_heads, case.page_size, case.head_dim
+    num_q_heads = kvh * case.group
+    pages_needed = [math.ceil(kv_len / page_size) for _, kv_len in case.seqs]
+    pages_per_seq = max(pages_needed) + 1  # at least one unused entry per sequence
+    num_spare_pages = 3  # all-NaN pages that unused page_indices entries point at
+    num_pages = 1 + sum(pages_needed) + num_spare_pages  # page 0 is the dummy page
+    max_num_seqs = len(case.seqs) + case.padded_seqs
 
-  def rounded(shape, scale=1.0):
-    x = (rng.standard_normal(shape) * scale).astype(np.float32)
-    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+    def rounded(shape, scale=1.0):
+        x = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
 
-  kv_cache = np.full((num_pages, page_size, 2 * kvh, head_dim), np.nan, np.float32)
-  page_order = rng.permutation(np.arange(1, num_pages))
-  used, spare = page_order[:sum(pages_needed)], page_order[sum(pages_needed):]
-  page_indices = rng.choice(spare, size=(max_num_seqs, pages_per_seq)).astype(np.int32)
-  kv_lens = np.zeros(max_num_seqs, np.int32)
-  k64, v64 = [], []
-  next_page = 0
-  for s, (q_len, kv_len) in enumerate(case.seqs):
-    assert 0 < q_len <= kv_len, (q_len, kv_len)
-    kv_lens[s] = kv_len
-    pages = used[next_page:next_page + pages_needed[s]]
-    next_page += pages_needed[s]
-    page_indices[s, :len(pages)] = pages
-    k, v = rounded((kv_len, kvh, head_dim)), rounded((kv_len, kvh, head_dim))
-    k64.append(k)
-    v64.append(v)
-    for pos in range(kv_len):
-      page, offset = pages[pos // page_size], pos % page_size
-      kv_cache[page, offset, 0::2] = k[pos]
-      kv_cache[page, offset, 1::2] = v[pos]
+    kv_cache = np.full((num_pages, page_size, 2 * kvh, head_dim), np.nan, np.float32)
+    page_order = rng.permutation(np.arange(1, num_pages))
+    used, spare = page_order[:sum(pages_needed)], page_order[sum(pages_needed):]
+    page_indices = rng.choice(spare, size=(max_num_seqs, pages_per_seq)).astype(np.int32)
+    kv_lens = np.zeros(max_num_seqs, np.int32)
+    k64, v64 = [], []
+    next_page = 0
+    for s, (q_len, kv_len) in enumerate(case.seqs):
+        assert 0 < q_len <= kv_len, (q_len, kv_len)
+        kv_lens[s] = kv_len
+        pages = used[next_page:next_page + pages_needed[s]]
+        next_page += pages_needed[s]
+        page_indices[s, :len(pages)] = pages
+        k, v = rounded((kv_len, kvh, head_dim)), rounded((kv_len, kvh, head_dim))
+        k64.append(k)
+        v64.append(v)
+        for pos in range(kv_len):
+            page, offset = pages[pos // page_size], pos % page_size
+            kv_cache[page, offset, 0::2] = k[pos]
+            kv_cache[page, offset, 1::2] = v[pos]
 
-  q_lens = [q_len for q_len, _ in case.seqs] + [0] * case.padded_seqs
-  cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-  num_real_tokens = int(cu_q_lens[-1])
-  q64 = rounded((num_real_tokens + case.padded_tokens, num_q_heads, head_dim), case.q_scale)
-  args = (jnp.asarray(q64, dtype), jnp.asarray(kv_cache, dtype), jnp.asarray(kv_lens),
-          jnp.asarray(page_indices), jnp.asarray(cu_q_lens),
-          jnp.asarray([len(case.seqs)], jnp.int32))
-  kwargs = dict(sm_scale=head_dim ** -0.5, sliding_window=case.sliding_window,
-                soft_cap=case.soft_cap)
-  return Inputs(args, kwargs, num_real_tokens, q64, k64, v64)
+    q_lens = [q_len for q_len, _ in case.seqs] + [0] * case.padded_seqs
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_real_tokens = int(cu_q_lens[-1])
+    q64 = rounded((num_real_tokens + case.padded_tokens, num_q_heads, head_dim), case.q_scale)
+    args = (jnp.asarray(q64, dtype), jnp.asarray(kv_cache, dtype), jnp.asarray(kv_lens),
+            jnp.asarray(page_indices), jnp.asarray(cu_q_lens),
+            jnp.asarray([len(case.seqs)], jnp.int32))
+    kwargs = dict(sm_scale=head_dim ** -0.5, sliding_window=case.sliding_window,
+                  soft_cap=case.soft_cap)
+    return Inputs(args, kwargs, num_real_tokens, q64, k64, v64)
 
 
 def naive_attention(case: Case, inputs: Inputs) -> np.ndarray:
-  """Dense causal attention per sequence in float64 from the unpaged K/V: the oracle.
+    """Dense causal attention per sequence in float64 from the unpaged K/V: the oracle.
 
-  Returns [num_real_tokens, num_q_heads, head_dim].
-  """
-  sm_scale = inputs.kwargs["sm_scale"]
-  out = []
-  q_start = 0
-  for (q_len, kv_len), k, v in zip(case.seqs, inputs.k64, inputs.v64):
-    q = inputs.q64[q_start:q_start + q_len]  # [q_len, num_q_heads, head_dim]
-    q_start += q_len
-    k = np.repeat(k, case.group, axis=1)  # [kv_len, num_q_heads, head_dim]
-    v = np.repeat(v, case.group, axis=1)
-    logits = np.einsum("qhd,khd->hqk", q, k) * sm_scale
-    if case.soft_cap:
-      logits = case.soft_cap * np.tanh(logits / case.soft_cap)
-    q_pos = np.arange(kv_len - q_len, kv_len)[:, None]
-    k_pos = np.arange(kv_len)[None, :]
-    visible = k_pos <= q_pos
-    if case.sliding_window:
-      visible &= k_pos > q_pos - case.sliding_window
-    logits = np.where(visible, logits, -np.inf)
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    out.append(np.einsum("hqk,khd->qhd", probs, v))
-  return np.concatenate(out)
+    Returns [num_real_tokens, num_q_heads, head_dim].
+    """
+    sm_scale = inputs.kwargs["sm_scale"]
+    out = []
+    q_start = 0
+    for (q_len, kv_len), k, v in zip(case.seqs, inputs.k64, inputs.v64):
+        q = inputs.q64[q_start:q_start + q_len]  # [q_len, num_q_heads, head_dim]
+        q_start += q_len
+        k = np.repeat(k, case.group, axis=1)  # [kv_len, num_q_heads, head_dim]
+        v = np.repeat(v, case.group, axis=1)
+        logits = np.einsum("qhd,khd->hqk", q, k) * sm_scale
+        if case.soft_cap:
+            logits = case.soft_cap * np.tanh(logits / case.soft_cap)
+        q_pos = np.arange(kv_len - q_len, kv_len)[:, None]
+        k_pos = np.arange(kv_len)[None, :]
+        visible = k_pos <= q_pos
+        if case.sliding_window:
+            visible &= k_pos > q_pos - case.sliding_window
+        logits = np.where(visible, logits, -np.inf)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out.append(np.einsum("hqk,khd->qhd", probs, v))
+    return np.concatenate(out)
 
 
 def tolerance(dtype: str) -> float:
-  return {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    return {"float32": 1e-5, "bfloat16": 2e-2}[dtype]

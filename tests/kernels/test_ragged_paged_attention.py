@@ -9,6 +9,7 @@ suite fast on 2 cores.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -39,75 +40,75 @@ KERNELS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
 
 
 def _kernel_runs():
-  """(backend, interpret) pairs runnable here: compiled on a matching device, else interpreted."""
-  platform = jax.default_backend()
-  if platform == "gpu":
-    return [pytest.param("gpu", False, id="gpu-compiled")]
-  if platform == "tpu":
-    return [pytest.param("tpu", False, id="tpu-compiled")]
-  return [pytest.param("tpu", True, id="tpu-interpret"),
-          pytest.param("gpu", True, id="gpu-interpret")]
+    """(backend, interpret) pairs runnable here: compiled on a matching device, else interpreted."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        return [pytest.param("gpu", False, id="gpu-compiled")]
+    if platform == "tpu":
+        return [pytest.param("tpu", False, id="tpu-compiled")]
+    return [pytest.param("tpu", True, id="tpu-interpret"),
+            pytest.param("gpu", True, id="gpu-interpret")]
 
 
 def _assert_matches_reference(case, inputs, out):
-  expected = ragged_paged_attention_reference(*inputs.args, **inputs.kwargs)
-  n = inputs.num_real_tokens
-  out = np.asarray(out.astype(np.float32))
-  assert np.isfinite(out).all(), "NaN/inf in the output (padded rows included)"
-  tol = tolerance(case.dtype)
-  np.testing.assert_allclose(out[:n], np.asarray(expected[:n].astype(np.float32)),
-                             atol=tol, rtol=tol)
+    expected = ragged_paged_attention_reference(*inputs.args, **inputs.kwargs)
+    n = inputs.num_real_tokens
+    out = np.asarray(out.astype(np.float32))
+    assert np.isfinite(out).all(), "NaN/inf in the output (padded rows included)"
+    tol = tolerance(case.dtype)
+    np.testing.assert_allclose(out[:n], np.asarray(expected[:n].astype(np.float32)),
+                               atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("backend, interpret", _kernel_runs())
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_kernel_matches_reference_small_blocks(case, backend, interpret):
-  inputs = make_inputs(case, seed=7)
-  out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
-                         interpret=interpret)
-  _assert_matches_reference(case, inputs, out)
+    inputs = make_inputs(case, seed=7)
+    out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
+                           interpret=interpret)
+    _assert_matches_reference(case, inputs, out)
 
 
 @pytest.mark.parametrize("backend, interpret", _kernel_runs())
 @pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[7]], ids=str)
 def test_kernel_matches_reference_tuned_blocks(case, backend, interpret):
-  """The public entry point with the block sizes the tuning table/heuristic picks."""
-  inputs = make_inputs(case, seed=3)
-  out = ragged_paged_attention(*inputs.args, **inputs.kwargs, backend=backend,
-                               interpret=interpret)
-  _assert_matches_reference(case, inputs, out)
+    """The public entry point with the block sizes the tuning table/heuristic picks."""
+    inputs = make_inputs(case, seed=3)
+    out = ragged_paged_attention(*inputs.args, **inputs.kwargs, backend=backend,
+                                 interpret=interpret)
+    _assert_matches_reference(case, inputs, out)
 
 
 @pytest.mark.parametrize("backend, interpret", _kernel_runs())
 def test_kernel_with_no_sequences_is_finite(backend, interpret):
-  """A fully padded batch (num_seqs == 0) must not read any page nor produce NaN."""
-  inputs = make_inputs(Case(seqs=((1, 8),)), seed=0)
-  q, kv_cache, kv_lens, page_indices, cu_q_lens, _ = inputs.args
-  num_seqs = np.zeros((1,), np.int32)
-  out = KERNELS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens, jax.numpy.asarray(num_seqs),
-                         **inputs.kwargs, interpret=interpret)
-  assert np.isfinite(np.asarray(out)).all()
+    """A fully padded batch (num_seqs == 0) must not read any page nor produce NaN."""
+    inputs = make_inputs(Case(seqs=((1, 8),)), seed=0)
+    q, kv_cache, kv_lens, page_indices, cu_q_lens, _ = inputs.args
+    num_seqs = np.zeros((1,), np.int32)
+    out = KERNELS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens, jnp.asarray(num_seqs),
+                           **inputs.kwargs, interpret=interpret)
+    assert np.isfinite(np.asarray(out)).all()
 
 
 def _random_case(seed: int) -> Case:
-  """A random small batch: 1-4 sequences, each decode (1 token) or a chunk with a prefix."""
-  rng = np.random.default_rng(seed)
-  seqs = []
-  for _ in range(rng.integers(1, 5)):
-    q_len = 1 if rng.random() < 0.5 else int(rng.integers(2, 24))
-    seqs.append((q_len, q_len + int(rng.integers(0, 60))))
-  return Case(seqs=tuple(seqs), num_kv_heads=int(rng.choice([1, 2])),
-              group=int(rng.choice([1, 2, 4])), head_dim=int(rng.choice([64, 128])),
-              page_size=int(rng.choice([16, 32])), dtype=str(rng.choice(["float32", "bfloat16"])),
-              sliding_window=int(rng.integers(4, 40)) if rng.random() < 0.3 else None,
-              padded_seqs=int(rng.integers(0, 3)), padded_tokens=int(rng.integers(0, 5)))
+    """A random small batch: 1-4 sequences, each decode (1 token) or a chunk with a prefix."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(rng.integers(1, 5)):
+        q_len = 1 if rng.random() < 0.5 else int(rng.integers(2, 24))
+        seqs.append((q_len, q_len + int(rng.integers(0, 60))))
+    return Case(seqs=tuple(seqs), num_kv_heads=int(rng.choice([1, 2])),
+                group=int(rng.choice([1, 2, 4])), head_dim=int(rng.choice([64, 128])),
+                page_size=int(rng.choice([16, 32])), dtype=str(rng.choice(["float32", "bfloat16"])),
+                sliding_window=int(rng.integers(4, 40)) if rng.random() < 0.3 else None,
+                padded_seqs=int(rng.integers(0, 3)), padded_tokens=int(rng.integers(0, 5)))
 
 
 @pytest.mark.parametrize("backend, interpret", _kernel_runs())
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_kernel_matches_reference_random_batches(seed, backend, interpret):
-  case = _random_case(seed)
-  inputs = make_inputs(case, seed=seed)
-  out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
-                         interpret=interpret)
-  _assert_matches_reference(case, inputs, out)
+    case = _random_case(seed)
+    inputs = make_inputs(case, seed=seed)
+    out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
+                           interpret=interpret)
+    _assert_matches_reference(case, inputs, out)

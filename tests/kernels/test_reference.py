@@ -20,29 +20,29 @@ REFERENCE_CASES = [
 
 @pytest.mark.parametrize("case", REFERENCE_CASES, ids=str)
 def test_reference_matches_naive_attention(case):
-  inputs = make_inputs(case, seed=1)
-  out = jax.jit(ragged_paged_attention_reference,
-                static_argnames=("sm_scale", "sliding_window", "soft_cap"))(
-                    *inputs.args, **inputs.kwargs)
-  n = inputs.num_real_tokens
-  # The reference computes in float32 whatever the input dtype; only the output is rounded.
-  tol = 1e-5 if case.dtype == "float32" else 1e-2
-  np.testing.assert_allclose(np.asarray(out[:n], np.float64), naive_attention(case, inputs),
-                             atol=tol, rtol=tol)
-  assert np.all(np.asarray(out[n:], np.float32) == 0), "padded tokens should read zeros"
+    inputs = make_inputs(case, seed=1)
+    out = jax.jit(ragged_paged_attention_reference,
+                  static_argnames=("sm_scale", "sliding_window", "soft_cap"))(
+                      *inputs.args, **inputs.kwargs)
+    n = inputs.num_real_tokens
+    # The reference computes in float32 whatever the input dtype; only the output is rounded.
+    tol = 1e-5 if case.dtype == "float32" else 1e-2
+    np.testing.assert_allclose(np.asarray(out[:n], np.float64), naive_attention(case, inputs),
+                               atol=tol, rtol=tol)
+    assert np.all(np.asarray(out[n:], np.float32) == 0), "padded tokens should read zeros"
 
 
 def test_auto_backend_on_cpu_is_the_reference():
-  case = REFERENCE_CASES[2]
-  inputs = make_inputs(case)
-  out = ragged_paged_attention(*inputs.args, **inputs.kwargs, backend="auto")
-  expected = ragged_paged_attention_reference(*inputs.args, **inputs.kwargs)
-  if jax.default_backend() == "cpu":
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
-  else:
-    np.testing.assert_allclose(np.asarray(out[:inputs.num_real_tokens]),
-                               np.asarray(expected[:inputs.num_real_tokens]),
-                               atol=tolerance(case.dtype), rtol=tolerance(case.dtype))
+    case = REFERENCE_CASES[2]
+    inputs = make_inputs(case)
+    out = ragged_paged_attention(*inputs.args, **inputs.kwargs, backend="auto")
+    expected = ragged_paged_attention_reference(*inputs.args, **inputs.kwargs)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+    else:
+        np.testing.assert_allclose(np.asarray(out[:inputs.num_real_tokens]),
+                                   np.asarray(expected[:inputs.num_real_tokens]),
+                                   atol=tolerance(case.dtype), rtol=tolerance(case.dtype))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -51,14 +51,14 @@ def test_auto_backend_on_cpu_is_the_reference():
     (dict(soft_cap=-1.0), "soft_cap"),
 ])
 def test_rejects_bad_static_arguments(bad, message):
-  inputs = make_inputs(REFERENCE_CASES[0])
-  kwargs = {**inputs.kwargs, **bad}
-  with pytest.raises(ValueError, match=message):
-    ragged_paged_attention(*inputs.args, **kwargs)
+    inputs = make_inputs(REFERENCE_CASES[0])
+    kwargs = {**inputs.kwargs, **bad}
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(*inputs.args, **kwargs)
 
 
 def test_rejects_mismatched_heads():
-  inputs = make_inputs(Case(seqs=((1, 5),), num_kv_heads=2, group=1))
-  q = inputs.args[0][:, :1]  # 1 query head for 2 KV heads
-  with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-    ragged_paged_attention(q, *inputs.args[1:], **inputs.kwargs)
+    inputs = make_inputs(Case(seqs=((1, 5),), num_kv_heads=2, group=1))
+    q = inputs.args[0][:, :1]  # 1 query head for 2 KV heads
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ragged_paged_attention(q, *inputs.args[1:], **inputs.kwargs)
