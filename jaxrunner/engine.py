@@ -1,8 +1,10 @@
 """The offline engine: SGLang's `Engine.generate` API over the scheduler, in this process."""
 
 import itertools
+import numbers
 import random
 
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from jaxrunner.compile_guard import CompileMonitor
@@ -51,26 +53,50 @@ class Engine:
     # ---- requests ----
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None,
-                 return_logprob: bool | list[bool] = False):
+                 return_logprob: bool | list[bool] = False, show_progress: bool = False):
         """Generates for one prompt (a dict back) or a list of prompts (a list of dicts back).
 
         `prompt` is text (or a list of texts), `input_ids` token ids (or a list of lists); give
         one. `sampling_params` is a dict of `SamplingParams` fields, or a list of dicts, one per
         request. Every request is validated before any runs: a bad one raises ValueError naming
-        it, and nothing is enqueued.
+        it, and nothing is enqueued. `show_progress` draws a progress bar of finished requests.
         """
         single, prompts = self._normalize_prompts(prompt, input_ids)
         n = len(prompts)
         params = self._per_request(sampling_params, n, "sampling_params", default={})
         logprob_flags = self._per_request(return_logprob, n, "return_logprob", default=False)
-        reqs = [self._make_req(i, ids, p, lp)
-                for i, (ids, p, lp) in enumerate(zip(prompts, params, logprob_flags))]
+        reqs = []
+        for i, (ids, p, lp) in enumerate(zip(prompts, params, logprob_flags)):
+            try:
+                reqs.append(self._make_req(ids, p, lp))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
         for req in reqs:
             self.scheduler.add_request(req)
+        progress = tqdm(total=len(reqs), desc="generating", disable=not show_progress)
         while not all(r.finished for r in reqs):
-            self.scheduler.step()
-        outputs = [self._output(r) for r in reqs]
+            progress.update(len(self.scheduler.step()))
+        progress.close()
+        outputs = [self.output(r) for r in reqs]
         return outputs[0] if single else outputs
+
+    def add_request(self, input_ids: list[int], sampling_params=None,
+                    return_logprob: bool = False) -> Req:
+        """Queues one request without running it (the low-level API under `generate`).
+
+        Raises ValueError, naming the problem, for a request that cannot be served.
+        """
+        req = self._make_req(list(input_ids), sampling_params or {}, return_logprob)
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> list[Req]:
+        """Runs one scheduler step; returns the requests that finished in it."""
+        return self.scheduler.step()
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
 
     def _normalize_prompts(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):
@@ -82,9 +108,14 @@ class Engine:
             texts = [prompt] if single else list(prompt)
             for i, text in enumerate(texts):
                 if not isinstance(text, str):
-                    raise ValueError(f"prompt {i} must be a string, got {type(text).__name__}")
+                    raise ValueError(f"request {i}: prompt must be a string, got "
+                                     f"{type(text).__name__}")
+                if not text:
+                    raise ValueError(f"request {i}: empty prompt")
             return single, [self.tokenizer.encode(t) for t in texts]
-        single = len(input_ids) > 0 and not isinstance(input_ids[0], (list, tuple))
+        if len(input_ids) == 0:
+            raise ValueError("input_ids is empty")
+        single = not isinstance(input_ids[0], (list, tuple))
         return single, [list(input_ids)] if single else [list(ids) for ids in input_ids]
 
     @staticmethod
@@ -97,26 +128,22 @@ class Engine:
             return value
         return [value] * n
 
-    def _make_req(self, index: int, ids: list[int], params, return_logprob: bool) -> Req:
+    def _make_req(self, ids: list[int], params, return_logprob: bool) -> Req:
         vocab = self.model_config.vocab_size
         if not ids:
-            raise ValueError(f"request {index}: empty prompt")
+            raise ValueError("empty prompt")
         for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"request {index}: token id {t!r} is outside the vocabulary "
-                                 f"[0, {vocab})")
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        ids = [int(t) for t in ids]
         if len(ids) >= self.context_len:
-            raise ValueError(f"request {index}: prompt of {len(ids)} tokens does not fit the "
-                             f"context length {self.context_len} (it must leave room for one "
-                             f"new token)")
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length "
+                             f"{self.context_len} (it must leave room for one new token)")
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         elif not isinstance(params, SamplingParams):
-            raise ValueError(f"request {index}: sampling_params must be a dict")
-        try:
-            params.verify(vocab)
-        except ValueError as e:
-            raise ValueError(f"request {index}: {e}") from None
+            raise ValueError("sampling_params must be a dict")
+        params.verify(vocab)
         params = params.normalized()
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         return Req(rid=next(self._rids), origin_input_ids=ids, sampling_params=params, seed=seed,
@@ -124,7 +151,8 @@ class Engine:
                    eos_token_ids=frozenset(self.model_config.eos_token_ids),
                    return_logprob=bool(return_logprob))
 
-    def _output(self, req: Req) -> dict:
+    def output(self, req: Req) -> dict:
+        """The result dict of a finished request."""
         meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
                 "completion_tokens": len(req.output_ids), "finish_reason": req.finished_reason}
         if req.return_logprob:

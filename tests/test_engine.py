@@ -1,0 +1,184 @@
+"""The offline engine end to end on the tiny Llama: batching, compiles, sampling, stops, errors."""
+
+import jax.monitoring
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from jaxrunner import Engine
+from jaxrunner.compile_guard import COMPILE_EVENT
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, engine_kwargs):
+    engine = Engine(model_path=str(checkpoint("tiny-llama")), **engine_kwargs)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_llama(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint("tiny-llama"), dtype=torch.float32).eval()
+
+
+def _all_pages_free(engine):
+    runner = engine.runner
+    return (runner.allocator.num_free == runner.allocator.capacity
+            and runner.req_to_token_pool.num_free_slots == runner.req_to_token_pool.page_table.shape[0])
+
+
+def _random_prompt(rng, engine, n):
+    return rng.integers(3, engine.model_config.vocab_size, size=n).tolist()
+
+
+class CompileCounter:
+    """A jax.monitoring listener of our own, independent of the engine's CompileMonitor."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event, duration, **kwargs):
+        self.count += event == COMPILE_EVENT
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def test_waves_of_64_requests_with_16_running_never_compile_and_free_every_page(engine):
+    rng = np.random.default_rng(0)
+    reqs, waves = [], 4
+    with CompileCounter() as counter:
+        for wave in range(waves):
+            for _ in range(16):
+                n_in, n_out = int(rng.integers(1, 513)), int(rng.integers(1, 129))
+                reqs.append(engine.add_request(
+                    _random_prompt(rng, engine, n_in),
+                    {"max_new_tokens": n_out, "temperature": float(rng.choice([0.0, 0.8])),
+                     "top_p": 0.9, "ignore_eos": True}))
+            # The next wave arrives while this one is decoding.
+            for _ in range(10 if wave < waves - 1 else 0):
+                engine.step()
+                assert len(engine.scheduler.running) <= 16
+        while engine.has_unfinished_requests:
+            engine.step()
+            assert len(engine.scheduler.running) <= 16
+    assert counter.count == 0, f"{counter.count} compiles after warm-up"
+    assert all(r.finished for r in reqs)
+    for r in reqs:
+        assert len(r.output_ids) == r.sampling_params.max_new_tokens
+        assert r.finished_reason == {"type": "length", "length": r.max_new_tokens}
+    assert _all_pages_free(engine)
+
+
+def test_batched_greedy_equals_one_at_a_time(engine):
+    rng = np.random.default_rng(1)
+    prompts = [_random_prompt(rng, engine, n) for n in (3, 50, 17, 200, 1, 90)]
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    together = engine.generate(input_ids=prompts, sampling_params=params)
+    for prompt, out in zip(prompts, together):
+        assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == out["output_ids"]
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_matches_hf(engine, hf_llama):
+    rng = np.random.default_rng(2)
+    prompt = _random_prompt(rng, engine, 1300)  # > max_prefill_tokens (512): three chunks
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0.0})
+    with torch.no_grad():
+        want = hf_llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    assert out["output_ids"] == want[0, len(prompt):].tolist()
+    assert _all_pages_free(engine)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
+    rng = np.random.default_rng(3)
+    prompt = _random_prompt(rng, engine, 20)
+    params = {"max_new_tokens": 16, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    alone = engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    others = [_random_prompt(rng, engine, 30) for _ in range(5)]
+    batched = engine.generate(input_ids=others + [prompt],
+                              sampling_params=[{"max_new_tokens": 16, "temperature": 1.0}] * 5 + [params])
+    assert batched[-1]["output_ids"] == alone
+    other_seed = engine.generate(input_ids=prompt, sampling_params=dict(params, seed=99))
+    assert other_seed["output_ids"] != alone
+    top1 = engine.generate(input_ids=prompt, sampling_params=dict(params, top_k=1))
+    greedy = engine.generate(input_ids=prompt, sampling_params=dict(params, temperature=0.0))
+    assert top1["output_ids"] == greedy["output_ids"]
+
+
+def test_logprobs_are_the_models_log_softmax(engine, hf_llama):
+    rng = np.random.default_rng(4)
+    prompt = _random_prompt(rng, engine, 10)
+    out = engine.generate(input_ids=prompt, return_logprob=True,
+                          sampling_params={"max_new_tokens": 6, "temperature": 0.7, "seed": 5,
+                                           "ignore_eos": True})
+    logprobs = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in logprobs] == out["output_ids"]
+    with torch.no_grad():
+        full = torch.tensor([prompt + out["output_ids"]])
+        want = torch.log_softmax(hf_llama(full).logits[0], -1).numpy()
+    for i, (lp, token, _) in enumerate(logprobs):
+        assert lp == pytest.approx(want[len(prompt) - 1 + i, token], abs=1e-4)
+
+
+def test_stop_strings_and_stop_token_ids(engine):
+    prompt = "def main():"
+    base = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0.0,
+                                                           "ignore_eos": True})
+    text, ids = base["text"], base["output_ids"]
+    stop = text[8:11]
+    assert len(stop) == 3 and stop.strip()
+    out = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0.0,
+                                                          "ignore_eos": True, "stop": [stop]})
+    assert out["text"] == text[:text.find(stop)]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    out = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0.0,
+                                                          "ignore_eos": True,
+                                                          "stop_token_ids": [ids[5]]})
+    first = ids.index(ids[5])
+    assert out["output_ids"] == ids[:first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[5]}
+    assert _all_pages_free(engine)
+
+
+def test_max_new_tokens_is_capped_by_the_context(engine):
+    rng = np.random.default_rng(5)
+    n = engine.context_len - 3
+    out = engine.generate(input_ids=_random_prompt(rng, engine, n),
+                          sampling_params={"max_new_tokens": 50, "temperature": 0.0,
+                                           "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 3
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(input_ids=[[]]), "empty prompt"),
+    (dict(prompt=[""]), "empty prompt"),
+    (dict(input_ids=[[1, 2, 10**6]]), "outside the vocabulary"),
+    (dict(input_ids=[[1, -1]]), "outside the vocabulary"),
+    (dict(input_ids=[[1] * 5000]), "context length"),
+    (dict(input_ids=[[1, 2]], sampling_params={"temperature": -0.5}), "temperature"),
+    (dict(input_ids=[[1, 2]], sampling_params={"top_p": 0.0}), "top_p"),
+    (dict(input_ids=[[1, 2]], sampling_params={"top_p": 1.5}), "top_p"),
+    (dict(input_ids=[[1, 2]], sampling_params={"temprature": 0.5}), "temprature"),
+    (dict(input_ids=[[1, 2]], sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
+])
+def test_bad_requests_raise_a_clear_error_and_the_engine_keeps_serving(engine, kwargs, message):
+    good = [5, 6, 7]
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+    assert not engine.has_unfinished_requests
+    out = engine.generate(input_ids=good, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 3
+    assert _all_pages_free(engine)
+
+
+def test_a_bad_request_in_a_batch_enqueues_nothing(engine):
+    with pytest.raises(ValueError, match="request 1: .*top_p"):
+        engine.generate(input_ids=[[1, 2], [3, 4]],
+                        sampling_params=[{"max_new_tokens": 2}, {"top_p": 2.0}])
+    assert not engine.has_unfinished_requests
