@@ -37,7 +37,8 @@ class EngineArgs:
     max_prefill_tokens: int = 2048
 
     attention_backend: str = "auto"
-    # Run the Pallas kernels in interpret mode (CPU tests).
+    # Run the Pallas kernels in interpret mode (CPU tests). The interpreter compiles small
+    # programs as it runs, so it cannot be combined with `disallow_compile_after_warmup`.
     pallas_interpret: bool = False
 
     # Compilation. Every bucket is compiled at start-up; `disallow_compile_after_warmup` makes any
@@ -64,6 +65,9 @@ class EngineArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one "
                              f"page of {self.page_size} tokens")
+        if self.pallas_interpret and self.disallow_compile_after_warmup:
+            raise ValueError("pallas_interpret compiles while it runs; it cannot be combined with "
+                             "disallow_compile_after_warmup")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 

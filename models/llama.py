@@ -48,7 +48,7 @@ class Attention(nnx.Module):
         self.q_proj = Linear(D, H * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(D, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(D, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(H * Dh, D, bias=False, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(H * Dh, D, bias=cfg.o_proj_bias, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)

@@ -4,6 +4,7 @@ import jax
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.attention.native import NativeAttentionBackend
+from jaxrunner.attention.pallas import PallasAttentionBackend
 
 
 def resolve_backend_name(name: str, platform: str | None = None) -> str:
@@ -20,6 +21,5 @@ def create_attention_backend(name: str, config: AttentionConfig, *,
     if name == "native":
         return NativeAttentionBackend(config)
     if name == "pallas":
-        from jaxrunner.attention.pallas import PallasAttentionBackend  # needs kernels_pallas
         return PallasAttentionBackend(config, interpret=interpret)
     raise ValueError(f"unknown attention backend {name!r}; choose native, pallas or auto")

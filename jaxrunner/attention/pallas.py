@@ -1,0 +1,55 @@
+"""The Pallas backend: the ragged paged attention kernels of `kernels_pallas`.
+
+TPU runs the Mosaic kernel and GPU the Pallas GPU kernel, compiled; on a CPU the TPU kernel runs
+in Pallas interpret mode (tests), which `pallas_interpret` must ask for explicitly. The kernels
+pad head dims the hardware wants wider themselves, so models never see the padding.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxrunner.attention.base import AttentionBackend, AttentionConfig
+from jaxrunner.forward_batch import ForwardBatch
+from kernels_pallas import ragged_paged_attention, update_kv_cache
+
+_KERNEL_BY_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+
+
+@partial(jax.tree_util.register_dataclass)
+@dataclass(frozen=True)
+class PallasMetadata:
+    cu_q_lens: jax.Array  # i32[R + 1]: cumulative new tokens per request
+    num_seqs: jax.Array   # i32[1]: real requests (padding rows come last, with length 0)
+
+
+class PallasAttentionBackend(AttentionBackend):
+    def __init__(self, config: AttentionConfig, *, interpret: bool = False,
+                 platform: str | None = None):
+        super().__init__(config)
+        platform = platform or jax.devices()[0].platform
+        if platform in _KERNEL_BY_PLATFORM:
+            self.kernel = _KERNEL_BY_PLATFORM[platform]
+        elif interpret:
+            self.kernel = "tpu"
+        else:
+            raise ValueError(f"the pallas attention backend has no kernel for {platform!r}; use "
+                             f"attention_backend='native', or pallas_interpret=True for tests")
+        self.interpret = interpret
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> PallasMetadata:
+        fb = forward_batch
+        cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(fb.extend_seq_lens)])
+        num_seqs = jnp.sum(fb.extend_seq_lens > 0, dtype=jnp.int32).reshape(1)
+        return PallasMetadata(cu_q_lens=cu_q_lens.astype(jnp.int32), num_seqs=num_seqs)
+
+    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata: PallasMetadata):
+        kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
+        out = ragged_paged_attention(
+            q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens, forward_batch.page_table,
+            metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
+            sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap,
+            backend=self.kernel, interpret=self.interpret)
+        return out.astype(q.dtype), kv_cache
