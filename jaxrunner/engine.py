@@ -75,7 +75,7 @@ class Engine:
             self.scheduler.add_request(req)
         progress = tqdm(total=len(reqs), desc="generating", disable=not show_progress)
         while not all(r.finished for r in reqs):
-            progress.update(len(self.scheduler.step()))
+            progress.update(sum(r.finished for r in self.scheduler.step()))
         progress.close()
         outputs = [self.output(r) for r in reqs]
         return outputs[0] if single else outputs
@@ -91,8 +91,13 @@ class Engine:
         return req
 
     def step(self) -> list[Req]:
-        """Runs one scheduler step; returns the requests that finished in it."""
+        """Runs one scheduler step; returns the requests that got a new token in it (check
+        `req.finished`). Not thread-safe: drive the engine from one thread."""
         return self.scheduler.step()
+
+    def abort_request(self, req: Req) -> None:
+        """Stops a queued or running request and frees its KV pages at once."""
+        self.scheduler.abort_request(req)
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -55,6 +55,16 @@ class Scheduler:
         held = 0 if req.req_pool_idx is None else int(self.runner.req_to_token_pool.num_pages[req.req_pool_idx])
         return total - held
 
+    def abort_request(self, req: Req, message: str = "aborted") -> None:
+        """Drops a request wherever it is; its pages go back at once."""
+        if req.finished:
+            return
+        for queue in (self.waiting, self.running, self.prefilling):
+            if req in queue:
+                queue.remove(req)
+        self._free(req)
+        req.finished_reason = {"type": "abort", "message": message}
+
     def _free(self, req: Req) -> None:
         if req.req_pool_idx is not None:
             pages = self.runner.req_to_token_pool.free_slot(req.req_pool_idx)
@@ -105,7 +115,8 @@ class Scheduler:
     # ---- one step ----
 
     def step(self) -> list[Req]:
-        """Runs one model step; returns the requests that finished in it."""
+        """Runs one model step; returns the requests that got a new token in it (finished ones
+        included: `req.finished`)."""
         batch = self._get_new_batch_prefill()
         if batch is None:
             if not self.running:
@@ -126,7 +137,7 @@ class Scheduler:
         return np.asarray(tokens), np.asarray(logprobs)
 
     def _process_batch_result(self, batch: ScheduleBatch, tokens, logprobs) -> list[Req]:
-        finished = []
+        advanced = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             req.num_computed_tokens += n
             if not req.prefill_done:
@@ -142,8 +153,8 @@ class Scheduler:
             if req.finished:
                 self._free(req)
                 self.running.remove(req)
-                finished.append(req)
-        return finished
+            advanced.append(req)
+        return advanced
 
     def _check_finished(self, req: Req) -> None:
         token = req.output_ids[-1]

@@ -182,3 +182,23 @@ def test_a_bad_request_in_a_batch_enqueues_nothing(engine):
         engine.generate(input_ids=[[1, 2], [3, 4]],
                         sampling_params=[{"max_new_tokens": 2}, {"top_p": 2.0}])
     assert not engine.has_unfinished_requests
+
+
+def test_abort_frees_pages_of_running_and_waiting_requests(engine):
+    rng = np.random.default_rng(6)
+    params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    reqs = [engine.add_request(_random_prompt(rng, engine, 30), params) for _ in range(3)]
+    engine.step()  # prefills all three
+    engine.step()
+    assert all(len(r.output_ids) == 2 for r in reqs)
+    held = engine.runner.allocator.num_free
+    engine.abort_request(reqs[1])
+    assert reqs[1].finished_reason["type"] == "abort"
+    assert engine.runner.allocator.num_free > held
+    late = engine.add_request(_random_prompt(rng, engine, 10), params)
+    engine.abort_request(late)  # still waiting
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert len(reqs[0].output_ids) == len(reqs[2].output_ids) == 40
+    assert len(reqs[1].output_ids) == 2 and late.output_ids == []
+    assert _all_pages_free(engine)
