@@ -1,0 +1,112 @@
+"""The `jaxrunner` command. `jaxrunner serve --model-path DIR [--host --port ...]` starts the
+HTTP server; its engine flags are generated from the `EngineArgs` fields (names with dashes, help
+from the comments above each field), so a new engine option is a CLI flag with no edit here."""
+
+import argparse
+import dataclasses
+import inspect
+import logging
+import re
+import types
+import typing
+
+from jaxrunner.config import EngineArgs
+
+SERVER_DEFAULTS = dict(host="127.0.0.1", port=30000)
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """The `# ...` comment lines right above each field in the class source."""
+    docs, pending = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("# "))
+            continue
+        match = re.match(r"(\w+)\s*:", stripped)
+        if match and pending:
+            docs[match.group(1)] = " ".join(pending)
+        pending = []
+    return docs
+
+
+def _base_type(annotation):
+    """`int | None` -> (int, True); `str` -> (str, False)."""
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        non_none = [a for a in args if a is not type(None)]
+        return non_none[0], len(non_none) < len(args)
+    return annotation, False
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineArgs` field."""
+    docs = _field_docs(EngineArgs)
+    group = parser.add_argument_group("engine (EngineArgs)")
+    for field in dataclasses.fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        kind, optional = _base_type(field.type)
+        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        help_text = docs.get(field.name, "")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                               help=help_text)
+            continue
+        kwargs = dict(type=kind, help=help_text + (" (default: %(default)s)" if not required
+                                                   else ""))
+        if required:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = field.default
+        group.add_argument(flag, **kwargs)
+
+
+def engine_args_from(ns: argparse.Namespace) -> dict:
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=SERVER_DEFAULTS["host"],
+                        help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=SERVER_DEFAULTS["port"])
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: the model path)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before "
+                             "they are aborted")
+    parser.add_argument("--log-level", default="info")
+    add_engine_args(parser)
+
+
+def serve(ns: argparse.Namespace) -> None:
+    """Loads the engine (compiling every bucket), then serves until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from jaxrunner.engine import Engine
+    from jaxrunner.server.app import build_app
+
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(**engine_args_from(ns))
+    app = build_app(engine, ns.served_model_name)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                            timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False)
+    uvicorn.Server(config).run()
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="jaxrunner", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="start the HTTP server"))
+    ns = parser.parse_args(argv)
+    if ns.command == "serve":
+        try:
+            EngineArgs(**engine_args_from(ns))
+        except (TypeError, ValueError) as e:
+            parser.error(str(e))
+        serve(ns)
+
+
+if __name__ == "__main__":
+    main()

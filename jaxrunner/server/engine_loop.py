@@ -1,0 +1,262 @@
+"""The one thread that drives the engine, and the handles the asyncio side talks to it through.
+
+The engine is not thread-safe, so exactly this thread calls `add_request`, `step` and
+`abort_request`. HTTP handlers submit a `RequestGroup` (the engine requests of one HTTP request:
+several prompts, or `n` samples) through a thread-safe inbox and read `Delta`s from the group's
+asyncio queue. The loop hands out the deltas of a whole step in one `call_soon_threadsafe`, so it
+never waits for a slow client; with nothing to run, it blocks on the inbox instead of spinning.
+"""
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+
+from jaxrunner.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RequestSpec:
+    """One engine request: what `Engine.add_request` takes."""
+
+    input_ids: list[int]
+    sampling_params: dict
+    return_logprob: bool = False
+
+
+@dataclasses.dataclass
+class Delta:
+    """New output of one engine request since its previous delta."""
+
+    index: int                     # which request of the group
+    token_ids: list[int]
+    logprobs: list[float]
+    finished_reason: dict | None = None
+    stopped_text: str | None = None
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a step; the requests in it cannot finish."""
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request, seen from the asyncio side."""
+
+    def __init__(self, specs: list[RequestSpec], loop: asyncio.AbstractEventLoop):
+        self.specs = specs
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        self.accepted: asyncio.Future = loop.create_future()
+        self.arrival = time.perf_counter()
+        self.unfinished = len(specs)
+        # Engine-thread side: the Reqs, once added.
+        self.reqs: list = []
+
+    async def deltas(self):
+        """Yields `Delta`s until every request of the group has finished."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished_reason is not None:
+                self.unfinished -= 1
+            yield item
+
+    @property
+    def finished(self) -> bool:
+        return self.unfinished == 0
+
+
+@dataclasses.dataclass
+class _Track:
+    """Engine-thread bookkeeping of one running Req."""
+
+    group: RequestGroup
+    index: int
+    sent: int = 0                  # output tokens already handed out
+    last_token_time: float | None = None
+
+
+class EngineLoop:
+    """Owns the engine on a thread of its own. `start(loop)`, `submit`, `abort`, `stop`."""
+
+    def __init__(self, engine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracks: dict = {}    # Req -> _Track
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: str | None = None
+        self.stats: dict = {}
+        self._publish_stats()
+
+    # ---- asyncio side ----
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    async def submit(self, specs: list[RequestSpec]) -> RequestGroup:
+        """Adds the requests of one HTTP request, all or none: raises ValueError (naming the
+        problem) if the engine refuses any of them."""
+        if not self.alive:
+            raise EngineError(self.error or "the engine loop is not running")
+        group = RequestGroup(specs, asyncio.get_running_loop())
+        self._inbox.put(("add", group))
+        try:
+            await group.accepted
+        except asyncio.CancelledError:
+            self._inbox.put(("abort", group))  # runs after the add: the inbox is FIFO
+            raise
+        return group
+
+    def abort(self, group: RequestGroup) -> None:
+        """Stops the group's unfinished requests (a client went away); frees their KV pages."""
+        if not group.finished:
+            self._inbox.put(("abort", group))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Aborts whatever is still running and ends the thread."""
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout)
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests
+                out: list = []
+                if not self._handle_commands(block, out):
+                    self._abort_all(out)
+                    self._send(out)
+                    return
+                if self.engine.has_unfinished_requests:
+                    self._deliver(self.engine.step(), out)
+                self._publish_stats()
+                self._send(out)
+        except Exception:
+            self.error = "engine step failed:\n" + traceback.format_exc()
+            log.error(self.error)
+            self._fail_all(EngineError("the engine failed; see the server log"))
+
+    def _handle_commands(self, block: bool, out: list) -> bool:
+        """Runs queued commands (waiting for one if `block`); False on "stop"."""
+        while True:
+            try:
+                cmd, group = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd == "stop":
+                return False
+            if cmd == "add":
+                self._add(group, out)
+            elif cmd == "abort":
+                for req in group.reqs:
+                    if not req.finished:
+                        self.engine.abort_request(req)
+                        self._deliver([req], out)
+            self._publish_stats()
+
+    def _add(self, group: RequestGroup, out: list) -> None:
+        reqs = []
+        try:
+            for spec in group.specs:
+                reqs.append(self.engine.add_request(spec.input_ids, spec.sampling_params,
+                                                    spec.return_logprob))
+        except ValueError as e:
+            for req in reqs:
+                self.engine.abort_request(req)
+            out.append((group.accepted.set_exception, ValueError(str(e))))
+            return
+        group.reqs = reqs
+        for i, req in enumerate(reqs):
+            self._tracks[req] = _Track(group, i)
+        out.append((group.accepted.set_result, None))
+        # A request can finish on arrival (max_new_tokens=0).
+        self._deliver([r for r in reqs if r.finished], out)
+
+    def _deliver(self, reqs: list, out: list) -> None:
+        now = time.perf_counter()
+        for req in reqs:
+            track = self._tracks.get(req)
+            if track is None:
+                continue
+            new_ids = req.output_ids[track.sent:]
+            new_lps = req.output_logprobs[track.sent:] if req.return_logprob else []
+            if self.metrics and new_ids:
+                if track.sent == 0:
+                    self.metrics.ttft.observe(now - track.group.arrival)
+                else:
+                    self.metrics.itl.observe(now - track.last_token_time)
+                self.metrics.generation_tokens.inc(len(new_ids))
+            track.sent += len(new_ids)
+            track.last_token_time = now
+            delta = Delta(track.index, new_ids, new_lps)
+            if req.finished:
+                delta.finished_reason = dict(req.finished_reason)
+                delta.stopped_text = req.stopped_text
+                del self._tracks[req]
+                if self.metrics:
+                    self.metrics.observe_finished(req.finished_reason["type"],
+                                                  len(req.origin_input_ids),
+                                                  now - track.group.arrival)
+            out.append((track.group.queue.put_nowait, delta))
+
+    def _abort_all(self, out: list) -> None:
+        for req in list(self._tracks):
+            self.engine.abort_request(req)
+        self._deliver(list(self._tracks), out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        out = [(t.group.queue.put_nowait, error) for t in self._tracks.values()]
+        self._tracks.clear()
+        self._send(out)
+        # Submissions that raced with the failure must not wait for ever.
+        while True:
+            try:
+                cmd, group = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd == "add":
+                self._send([(group.accepted.set_exception, error)])
+
+    def _send(self, out: list) -> None:
+        if out:
+            self._loop.call_soon_threadsafe(_apply, out)
+
+    def _publish_stats(self) -> None:
+        runner, scheduler = self.engine.runner, self.engine.scheduler
+        allocator = runner.allocator
+        free, capacity = allocator.num_free, allocator.capacity
+        waiting = len(scheduler.waiting)
+        self.stats = {
+            "num_requests_running": len(self._tracks) - waiting,
+            "num_requests_waiting": waiting,
+            "kv_pages_total": capacity,
+            "kv_pages_free": free,
+            "kv_cache_usage": 1.0 - free / capacity if capacity else 0.0,
+            "req_slots_free": runner.req_to_token_pool.num_free_slots,
+            "req_slots_total": runner.req_to_token_pool.page_table.shape[0],
+        }
+
+
+def _apply(calls: list) -> None:
+    for fn, arg in calls:
+        fut = getattr(fn, "__self__", None)
+        if isinstance(fut, asyncio.Future) and fut.done():
+            continue  # the submitter was cancelled meanwhile
+        fn(arg)

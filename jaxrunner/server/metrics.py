@@ -1,0 +1,55 @@
+"""Prometheus metrics of the server, in a registry of its own (several servers per process in
+tests, no global state)."""
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "jaxrunner"
+# Seconds; fine at the bottom for inter-token latency, long at the top for TTFT under load.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
+          "/get_server_info", "/metrics")
+
+
+class ServerMetrics:
+    """Counters per engine request (one HTTP request with n=2 makes two), HTTP counters per
+    route and status, and gauges read from the engine loop's latest snapshot."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.registry = r = CollectorRegistry()
+        self.http_requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.requests = Counter(f"{PREFIX}_requests", "Engine requests finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Between two tokens of a "
+                             "request", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        gauges = {
+            "num_requests_running": "Requests decoding or prefilling",
+            "num_requests_waiting": "Requests queued for admission",
+            "kv_cache_usage": "Fraction of KV pages in use",
+            "kv_pages_free": "Free KV pages",
+        }
+        for name, doc in gauges.items():
+            Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(
+                lambda name=name: stats().get(name, 0))
+
+    def observe_http(self, path: str, status: int) -> None:
+        self.http_requests.labels(path if path in ROUTES else "other", str(status)).inc()
+
+    def observe_finished(self, reason: str, prompt_tokens: int, e2e_s: float) -> None:
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.e2e.observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

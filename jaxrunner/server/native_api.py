@@ -1,0 +1,109 @@
+"""SGLang's native `/generate`: `text` or `input_ids`, engine `sampling_params` as they are,
+`return_logprob`, `stream`.
+
+The answer is SGLang's: `{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
+"completion_tokens", "finish_reason", ["output_token_logprobs"], "e2e_latency"}}`, a list of them
+for a batch. Streamed chunks carry the text and output ids so far (cumulative, SGLang's default)
+and, for a batch, the `index` of the request.
+"""
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from jaxrunner.server.detokenizer import IncrementalDetokenizer
+from jaxrunner.server.engine_loop import EngineError, RequestSpec
+from jaxrunner.server.protocol import APIError, GenerateRequest
+from jaxrunner.server.state import SSE_DONE, Result, ServerState, collect, sse
+
+
+async def generate(state: ServerState, request: Request, body: GenerateRequest):
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError("give exactly one of text and input_ids", 400, "text")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        texts = [body.text] if single else body.text
+        if not texts or any(not t for t in texts):
+            raise APIError("text is empty", 400, "text")
+        prompts = await state.encode(texts)
+    else:
+        single = not body.input_ids or isinstance(body.input_ids[0], int)
+        prompts = [body.input_ids] if single else body.input_ids
+    n = len(prompts)
+    params = _per_request(body.sampling_params, n, "sampling_params", {})
+    logprob_flags = _per_request(body.return_logprob, n, "return_logprob", False)
+    specs = []
+    for i, (ids, p, lp) in enumerate(zip(prompts, params, logprob_flags)):
+        where = "" if single else f"request {i}: "
+        state.check_prompt(ids, "input_ids" if body.text is None else "text")
+        state.check_sampling(p, where)
+        budget = p.get("max_new_tokens", 128)
+        if len(ids) + budget > state.context_len:
+            raise APIError(f"{where}requested {len(ids) + budget} tokens ({len(ids)} in the "
+                           f"prompt, max_new_tokens={budget}), more than the context length "
+                           f"{state.context_len}", 400, "max_new_tokens")
+        specs.append(RequestSpec(ids, p, lp))
+    group = await state.submit(specs)
+    if body.stream:
+        return StreamingResponse(_stream(state, request, group, single, body),
+                                 media_type="text/event-stream")
+    async with state.running(request, group):
+        results = await collect(group)
+    outs = [_output(state, group, i, r, r.text(state.tokenizer), body) for i, r in
+            enumerate(results)]
+    return JSONResponse(outs[0] if single else outs)
+
+
+def _per_request(value, n: int, name: str, default) -> list:
+    if value is None:
+        value = default
+    if isinstance(value, list):
+        if len(value) != n:
+            raise APIError(f"{name} has {len(value)} entries for {n} requests", 400, name)
+        return value
+    return [value] * n
+
+
+def _output(state, group, i: int, r: Result, text: str | None, body) -> dict:
+    meta = {"id": f"{id(group):x}-{i}", "prompt_tokens": len(group.specs[i].input_ids),
+            "completion_tokens": len(r.token_ids), "finish_reason": r.finished_reason,
+            "e2e_latency": time.perf_counter() - group.arrival}
+    if group.specs[i].return_logprob:
+        meta["output_token_logprobs"] = [
+            (lp, t, state.token_text(t) if body.return_text_in_logprobs else None)
+            for lp, t in zip(r.logprobs, r.token_ids)]
+    out = {"output_ids": list(r.token_ids), "meta_info": meta}
+    if text is not None:
+        out["text"] = text
+    return out
+
+
+async def _stream(state, request, group, single: bool, body):
+    tokenizer = state.tokenizer
+    results = [Result() for _ in group.specs]
+    detoks = [IncrementalDetokenizer(tokenizer, spec_stops(s)) if tokenizer else None
+              for s in group.specs]
+    texts = [""] * len(group.specs)
+    try:
+        async with state.running(request, group):
+            async for d in group.deltas():
+                r = results[d.index]
+                r.add(d)
+                if detoks[d.index] is not None:
+                    texts[d.index] += detoks[d.index].add(d.token_ids)
+                    if d.finished_reason is not None:
+                        texts[d.index] += detoks[d.index].finish(d.stopped_text)[1]
+                out = _output(state, group, d.index, r,
+                              texts[d.index] if tokenizer else None, body)
+                if not single:
+                    out["index"] = d.index
+                yield sse(out)
+    except EngineError as e:
+        yield sse(APIError(str(e), 500).body())
+    yield SSE_DONE
+
+
+def spec_stops(spec: RequestSpec) -> list[str]:
+    stop = spec.sampling_params.get("stop") or []
+    return [stop] if isinstance(stop, str) else list(stop)
