@@ -50,6 +50,17 @@ class EngineArgs:
     # Seeds the random seeds of requests that don't bring their own.
     random_seed: int = 0
 
+    # Parallelism (jaxrunner/parallel.py): a (dp_size, tp_size) mesh. `tp_size` shards heads and
+    # MLP columns (it must divide num_attention_heads); `dp_size` > 1 is DP attention, each rank
+    # with its own requests and KV pages.
+    tp_size: int = 1
+    dp_size: int = 1
+    # Multi-host (jaxrunner/distributed.py): the coordinator's "host:port", the number of
+    # processes and this one's rank; rank 0 takes the requests, every rank steps in lock-step.
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
@@ -57,7 +68,8 @@ class EngineArgs:
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size",
+                     "dp_size", "nnodes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.page_size & (self.page_size - 1):
@@ -68,6 +80,13 @@ class EngineArgs:
         if self.pallas_interpret and self.disallow_compile_after_warmup:
             raise ValueError("pallas_interpret compiles while it runs; it cannot be combined with "
                              "disallow_compile_after_warmup")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
+                             f"{self.node_rank!r}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("a multi-host run (nnodes > 1) needs dist_init_addr (host:port)")
+        if self.dist_init_addr is not None and self.dist_init_addr.rpartition(":")[0] == "":
+            raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 
