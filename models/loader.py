@@ -39,12 +39,16 @@ def hf_name_to_path(name: str) -> tuple[tuple, Callable] | None:
 
 
 def default_place(path: tuple, array: np.ndarray, dtype) -> jax.Array:
+    """Puts the whole tensor on the default device (one device, no sharding)."""
     return jax.device_put(np.asarray(array, dtype=dtype))
 
 
 def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
                place: Callable = default_place) -> nnx.Module:
     """Builds `model_cls(cfg)` without initialising it, then fills it from the checkpoint.
+
+    `place(path, array, dtype)` turns each checkpoint tensor (already in the model's layout) into
+    the parameter's device array, e.g. `models.sharding.ShardedPlacer` for tensor parallelism.
 
     Raises ValueError naming any missing, unexpected or mis-shaped tensor.
     """
@@ -62,12 +66,14 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
             raise ValueError(f"unexpected tensor {name!r} in checkpoint {model_dir} for "
                              f"{cfg.architecture}")
         path, transform = mapped
-        array = transform(array)
+        # `place` may reshape (tensor parallelism repeats KV heads), so check what it placed.
+        value = place(path, transform(array), dtype)
         expected = params[path].shape
-        if tuple(array.shape) != tuple(expected):
-            raise ValueError(f"tensor {name!r} in {model_dir} has shape {tuple(array.shape)}, "
-                             f"expected {tuple(expected)} from config.json")
-        params[path].set_value(place(path, array, dtype))
+        if tuple(value.shape) != tuple(expected):
+            raise ValueError(f"tensor {name!r} in {model_dir} has shape {tuple(array.shape)} "
+                             f"(placed as {tuple(value.shape)}), expected {tuple(expected)} from "
+                             f"config.json")
+        params[path].set_value(value)
         loaded.add(path)
     missing = sorted(".".join(map(str, p)) for p in params if p not in loaded)
     if missing:
