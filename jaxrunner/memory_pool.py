@@ -5,6 +5,8 @@ with K in the even and V in the odd slots of axis 2, the layout the Pallas kerne
 is the dummy page: padded token slots write there and no request ever owns it.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,8 +100,10 @@ class TokenToKVPool:
         self.page_size = page_size
         self.shape = (num_pages, page_size, 2 * num_kv_heads, head_dim)
         self.dtype = jnp.dtype(dtype)
-        zeros = np.zeros(self.shape, self.dtype)
-        self.kv_caches = [jax.device_put(zeros, sharding) for _ in range(num_layers)]
+        # Zeros made on the devices, each in its own shards: no host copy of the cache, and a
+        # sharding that spans several processes (multi-host) works the same way. One compile.
+        zeros = jax.jit(partial(jnp.zeros, self.shape, self.dtype), out_shardings=sharding)
+        self.kv_caches = [zeros() for _ in range(num_layers)]
 
     @property
     def bytes(self) -> int:
