@@ -1,0 +1,49 @@
+"""Attention per tensor-parallel shard: any backend, run under `shard_map` over KV heads.
+
+Each shard sees H / tp query heads and K / tp KV heads (K already repeated up to tp_size by the
+loader when the model has fewer KV heads than shards), and its slice of axis 2 of the KV cache
+`[num_pages, page_size, 2 * K, Dh]`. K and V of one head are adjacent on that axis, so contiguous
+slices keep heads whole and the inner backend runs unchanged on its local layout. The step's
+metadata and the forward batch are replicated: every shard attends over the same pages.
+"""
+
+import dataclasses
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxrunner.attention.base import AttentionBackend, AttentionConfig
+from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.parallel import TENSOR_AXIS
+
+_HEADS = P(None, TENSOR_AXIS, None)             # q/k/v/out [T, heads, Dh]
+_KV_CACHE = P(None, None, TENSOR_AXIS, None)    # [num_pages, page_size, 2 * K, Dh]
+
+
+def local_config(config: AttentionConfig, tp_size: int) -> AttentionConfig:
+    """The attention config one shard sees."""
+    if config.num_heads % tp_size or config.num_kv_heads % tp_size:
+        raise ValueError(f"tp_size ({tp_size}) must divide the query heads ({config.num_heads}) "
+                         f"and the (repeated) KV heads ({config.num_kv_heads})")
+    return dataclasses.replace(config, num_heads=config.num_heads // tp_size,
+                               num_kv_heads=config.num_kv_heads // tp_size)
+
+
+class ShardedAttentionBackend(AttentionBackend):
+    """Wraps `inner` (built for `local_config`) so it runs once per `tensor` shard."""
+
+    def __init__(self, inner: AttentionBackend, config: AttentionConfig, mesh: jax.sharding.Mesh):
+        super().__init__(config)
+        self.inner = inner
+        self.mesh = mesh
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        return self.inner.init_forward_metadata(forward_batch)
+
+    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata):
+        # check_vma=False: Pallas kernels do not declare how their outputs vary over the mesh.
+        per_shard = jax.shard_map(
+            self.inner.forward, mesh=self.mesh,
+            in_specs=(_HEADS, _HEADS, _HEADS, _KV_CACHE, P(), P()),
+            out_specs=(_HEADS, _KV_CACHE), check_vma=False)
+        return per_shard(q, k, v, kv_cache, forward_batch, metadata)
