@@ -24,10 +24,12 @@ from jaxrunner.forward_batch import ForwardBatch, compute_positions
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.memory_pool import (PageAllocator, ReqToTokenPool, TokenToKVPool,
                                    available_kv_memory, kv_bytes_per_token)
+from jaxrunner.parallel import Parallelism
 from jaxrunner.sampler import SamplingBatch, sample
 from models.registry import model_class
 from models.config import ModelConfig
 from models.loader import load_model
+from models.sharding import ShardedPlacer, sharded_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,9 @@ class ModelRunner:
                  compile_monitor: CompileMonitor | None = None):
         self.args = args
         self.model_config = model_config
-        self.device = jax.devices()[0]
+        self.parallel = Parallelism.create(args.tp_size, args.dp_size)
+        # This process's first device: its platform and memory size the KV cache.
+        self.device = jax.local_devices()[0]
         self.compile_monitor = compile_monitor or CompileMonitor()
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
@@ -83,17 +87,25 @@ class ModelRunner:
     def load_model(self) -> None:
         cfg = self.model_config
         self.dtype = _resolve_dtype(self.args.dtype, cfg)
-        model = load_model(model_class(cfg), cfg, self.args.model_path, self.dtype)
+        # The model as sharded: KV heads repeated up to tp_size (models/sharding.py).
+        self.sharded_config = sharded_model_config(cfg, self.parallel.tp_size)
+        place = ShardedPlacer.for_model(self.parallel.mesh, cfg)
+        model = load_model(model_class(self.sharded_config), self.sharded_config,
+                           self.args.model_path, self.dtype, place)
         self.graphdef, self.state = nnx.split(model)
-        self.weights_bytes = sum(x.nbytes for x in jax.tree.leaves(self.state))
+        # Per device: what one device's memory holds of the weights.
+        self.weights_bytes = sum(x.addressable_shards[0].data.nbytes
+                                 for x in jax.tree.leaves(self.state))
 
     def configure_kv_cache_dtype(self) -> None:
         self.kv_cache_dtype = (self.dtype if self.args.kv_cache_dtype == "auto"
                                else jnp.dtype(self.args.kv_cache_dtype))
 
     def init_memory_pool(self) -> None:
-        cfg, args = self.model_config, self.args
-        per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+        cfg, args = self.sharded_config, self.args
+        # Per device: each holds its KV heads' slice of every page.
+        per_token = kv_bytes_per_token(cfg.num_hidden_layers,
+                                       cfg.num_key_value_heads // self.parallel.tp_size,
                                        cfg.head_dim, self.kv_cache_dtype)
         if args.max_total_tokens is not None:
             max_total_tokens = args.max_total_tokens
@@ -117,12 +129,12 @@ class ModelRunner:
                                                 self.max_pages_per_req)
         self.token_to_kv_pool = TokenToKVPool(cfg.num_hidden_layers, num_pages, args.page_size,
                                               cfg.num_key_value_heads, cfg.head_dim,
-                                              self.kv_cache_dtype)
+                                              self.kv_cache_dtype, self.parallel.kv_cache)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, args.page_size,
                     self.token_to_kv_pool.bytes / 2**20)
 
     def init_attention_backend(self) -> None:
-        cfg = self.model_config
+        cfg = self.sharded_config
         self.attention_backend_name = resolve_backend_name(self.args.attention_backend,
                                                            self.device.platform)
         attn_config = AttentionConfig(
@@ -130,13 +142,18 @@ class ModelRunner:
             head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.head_dim ** -0.5,
             sliding_window=cfg.sliding_window)
         self.attn_backend = create_attention_backend(self.attention_backend_name, attn_config,
-                                                     interpret=self.args.pallas_interpret)
+                                                     interpret=self.args.pallas_interpret,
+                                                     mesh=self.parallel.mesh)
 
     def precompile(self) -> None:
         """Compiles every bucket's step and sampler ahead of time (SGLang: CUDA-graph capture)."""
+        # Logits leave the step whole (the sampler is not sharded); the KV cache keeps its
+        # sharding, so the donated buffers are reused step after step.
+        replicated = self.parallel.replicated
         self._step_fn = jax.jit(partial(_forward_step, self.graphdef, self.attn_backend),
-                                donate_argnums=(1,))
-        self._sample_fn = jax.jit(sample)
+                                donate_argnums=(1,),
+                                out_shardings=(replicated, self.parallel.kv_cache))
+        self._sample_fn = jax.jit(sample, in_shardings=replicated, out_shardings=replicated)
         self.executables: dict[tuple[Bucket, CaptureHiddenMode], object] = {}
         self.sample_executables: dict[int, object] = {}
         sizes = sample_batch_sizes(self.buckets)

@@ -1,0 +1,86 @@
+"""The device mesh and the shardings the engine reuses.
+
+One `Mesh` with axes (`data`, `tensor`) is built at start-up from `dp_size` x `tp_size` devices;
+every `NamedSharding` the engine needs is built here once and reused, so no step ever sees a new
+sharding object (a new one would mean a new executable). Weights carry their own shardings
+(models/sharding.py); this module knows the activations, the KV cache and the inputs.
+
+`tp_size` shards attention heads and MLP columns over `tensor`; `dp_size` (DP attention) gives each
+data-parallel rank its own requests and KV pages, the rank's slice of the batch and KV cache lying
+on its row of the mesh.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA_AXIS = "data"
+TENSOR_AXIS = "tensor"
+
+
+def make_mesh(tp_size: int = 1, dp_size: int = 1, devices=None) -> Mesh:
+    """A (dp_size, tp_size) mesh over the first dp_size * tp_size of `devices` (default: all
+    devices of all processes, so a multi-host run gets one global mesh).
+
+    Tensor-parallel neighbours are adjacent devices (the inner axis), which on TPU slices and
+    multi-GPU hosts are the best-connected ones. Axis types stay `Auto`: GSPMD propagates the
+    weights' shardings through the step.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    need = tp_size * dp_size
+    if need > len(devices):
+        raise ValueError(f"tp_size * dp_size = {tp_size} * {dp_size} = {need} devices needed, "
+                         f"{len(devices)} available")
+    grid = np.array(devices[:need], dtype=object).reshape(dp_size, tp_size)
+    return Mesh(grid, (DATA_AXIS, TENSOR_AXIS))
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The mesh and the shardings built from it, once.
+
+    Shapes: T tokens, H heads, K KV heads (as the model sees them, after replication), Dh head dim.
+    """
+
+    mesh: Mesh
+    replicated: NamedSharding       # inputs, metadata, logits
+    kv_cache: NamedSharding         # [num_pages, page_size, 2 * K, Dh]: heads over `tensor`
+    heads: NamedSharding            # q/k/v [T, H or K, Dh]: heads over `tensor`
+
+    @classmethod
+    def create(cls, tp_size: int = 1, dp_size: int = 1, devices=None) -> "Parallelism":
+        mesh = make_mesh(tp_size, dp_size, devices)
+        return cls(mesh=mesh,
+                   replicated=NamedSharding(mesh, P()),
+                   kv_cache=NamedSharding(mesh, P(None, None, TENSOR_AXIS, None)),
+                   heads=NamedSharding(mesh, P(None, TENSOR_AXIS, None)))
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh.shape[TENSOR_AXIS]
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.shape[DATA_AXIS]
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
+
+
+def effective_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads the sharded model holds: `num_kv_heads`, or `tp_size` when that is larger (each
+    shard then keeps one replicated head, vLLM style)."""
+    return max(num_kv_heads, tp_size)
+
+
+def check_tp_size(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """Raises ValueError when the model's heads cannot be split `tp_size` ways."""
+    if num_heads % tp_size:
+        raise ValueError(f"tp_size ({tp_size}) must divide num_attention_heads ({num_heads})")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"tp_size ({tp_size}) and num_key_value_heads ({num_kv_heads}) must "
+                         f"divide one another, so each shard holds whole KV heads")

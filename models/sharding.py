@@ -1,0 +1,106 @@
+"""Tensor-parallel partition rules for the Llama family, and the loader's `place` that puts each
+checkpoint tensor straight into its shards.
+
+Megatron layout: q/k/v/gate/up are column-parallel (output features over `tensor`), o/down are
+row-parallel (input features over `tensor`; XLA all-reduces their partial sums), the embedding
+and the LM head are vocab-parallel. Norms are replicated. GSPMD derives every activation's
+sharding from these; attention runs per shard under `shard_map` (jaxrunner/attention/sharded.py).
+
+When `tp_size` exceeds the KV head count, k_proj/v_proj output heads are repeated at load time so
+the model holds `tp_size` KV heads, one per shard: q head h of the repeated model reads KV head
+h // (H / tp_size), which is original head h // (H / K), so GQA is unchanged.
+"""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrunner.parallel import TENSOR_AXIS, check_tp_size, effective_kv_heads
+from models.config import ModelConfig
+
+T = TENSOR_AXIS
+# (nnx parameter path regex, PartitionSpec); the first match wins, no match means replicated.
+# Linear kernels are [in, out]; the embedding is [vocab, hidden].
+PARTITION_RULES: list[tuple[str, P]] = [
+    (r"self_attn\.(q|k|v)_proj\.kernel$", P(None, T)),
+    (r"self_attn\.(q|k|v)_proj\.bias$", P(T)),
+    (r"self_attn\.o_proj\.kernel$", P(T, None)),
+    (r"mlp\.(gate|up)_proj\.kernel$", P(None, T)),
+    (r"mlp\.down_proj\.kernel$", P(T, None)),
+    (r"embed_tokens\.embedding$", P(T, None)),
+    (r"lm_head\.kernel$", P(None, T)),
+]
+_KV_PROJ = re.compile(r"self_attn\.(k|v)_proj\.(kernel|bias)$")
+
+
+def path_name(path: tuple) -> str:
+    """('model', 'layers', 0, 'mlp', 'up_proj', 'kernel') -> 'model.layers.0.mlp.up_proj.kernel'."""
+    return ".".join(str(p) for p in path)
+
+
+def partition_spec(path: tuple) -> P:
+    name = path_name(path)
+    for pattern, spec in PARTITION_RULES:
+        if re.search(pattern, name):
+            return spec
+    return P()
+
+
+def sharded_model_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
+    """The config the sharded model is built from: KV heads repeated up to `tp_size`.
+
+    Raises ValueError when the heads cannot be split `tp_size` ways.
+    """
+    check_tp_size(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size)
+    kv = effective_kv_heads(cfg.num_key_value_heads, tp_size)
+    return dataclasses.replace(cfg, num_key_value_heads=kv)
+
+
+def repeat_kv_heads(array: np.ndarray, num_kv_heads: int, repeats: int) -> np.ndarray:
+    """k/v projection kernel [D, K * Dh] or bias [K * Dh] -> K * repeats heads, each head's copies
+    adjacent (head i of the result is head i // repeats of the input)."""
+    *lead, features = array.shape
+    heads = array.reshape(*lead, num_kv_heads, features // num_kv_heads)
+    return np.repeat(heads, repeats, axis=-2).reshape(*lead, features * repeats)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPlacer:
+    """`place(path, array, dtype) -> jax.Array` for `models.loader.load_model`.
+
+    Each device receives only its slice (`jax.make_array_from_callback`), so no host ever holds
+    more than the one tensor being loaded; in a multi-host run each process fills its own devices.
+    """
+
+    mesh: jax.sharding.Mesh
+    num_kv_heads: int   # in the checkpoint
+    kv_repeats: int     # copies of each KV head the sharded model holds
+
+    @classmethod
+    def for_model(cls, mesh, cfg: ModelConfig) -> "ShardedPlacer":
+        """`cfg` is the checkpoint's config (before `sharded_model_config`)."""
+        tp_size = mesh.shape[TENSOR_AXIS]
+        kv = effective_kv_heads(cfg.num_key_value_heads, tp_size)
+        return cls(mesh, cfg.num_key_value_heads, kv // cfg.num_key_value_heads)
+
+    def sharding(self, path: tuple, shape: tuple) -> NamedSharding:
+        spec = partition_spec(path)
+        tp_size = self.mesh.shape[TENSOR_AXIS]
+        # A dimension the mesh does not divide (an odd vocabulary) stays whole on every device.
+        for dim, axis in zip(shape, spec):
+            if axis is not None and dim % tp_size:
+                return NamedSharding(self.mesh, P())
+        return NamedSharding(self.mesh, spec)
+
+    def __call__(self, path: tuple, array: np.ndarray, dtype) -> jax.Array:
+        # (A tensor of the wrong size passes through whole; the loader names it.)
+        if (self.kv_repeats > 1 and _KV_PROJ.search(path_name(path))
+                and array.shape[-1] % self.num_kv_heads == 0):
+            array = repeat_kv_heads(array, self.num_kv_heads, self.kv_repeats)
+        array = np.asarray(array, dtype=dtype)
+        sharding = self.sharding(path, array.shape)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

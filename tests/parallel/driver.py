@@ -1,0 +1,64 @@
+"""Runs the engine under a simulated device count and prints JSON; launched by the tests in a
+subprocess because the device count must be fixed before jax is imported.
+
+    python tests/parallel/driver.py '{"devices": 8, "model_path": DIR, "runs": [{"tp_size": 2}],
+                                      "prompts": [[...]], "max_new_tokens": 8, ...}'
+
+Prints one JSON line: {"results": [{"tp_size": 2, "output_ids": [[...]], "compiles_after_warmup":
+0, ...}, ...]}. The keys of each run are `EngineArgs` fields laid over `engine_kwargs`.
+"""
+
+import json
+import os
+import re
+import sys
+
+_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+
+
+def main(spec: dict) -> dict:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={spec['devices']}")
+    import jax  # noqa: PLC0415 (the device count above must come first)
+
+    from jaxrunner import Engine  # noqa: PLC0415
+
+    results = []
+    for run in spec["runs"]:
+        kwargs = dict(spec.get("engine_kwargs", {}), model_path=spec["model_path"], **run)
+        engine = Engine(**kwargs)
+        warm = engine.compile_monitor.count
+        outs = engine.generate(input_ids=spec["prompts"],
+                               sampling_params={"max_new_tokens": spec["max_new_tokens"],
+                                                "temperature": 0.0, "ignore_eos": True})
+        results.append(dict(run, output_ids=[o["output_ids"] for o in outs],
+                            compiles_after_warmup=engine.compile_monitor.count - warm,
+                            num_devices=engine.runner.parallel.num_devices,
+                            kv_cache_shape=list(engine.runner.token_to_kv_pool.shape),
+                            jax_devices=jax.device_count()))
+        if spec.get("decode_hlo"):
+            results[-1]["decode_hlo"] = decode_hlo_summary(engine)
+        engine.shutdown()
+    return {"results": results}
+
+
+def decode_hlo_summary(engine) -> dict:
+    """The collectives of the largest decode step's compiled HLO, with their result types, and
+    the shapes of the model's weights (to tell an all-gathered weight from an activation)."""
+    from jaxrunner.forward_mode import ForwardMode  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    runner = engine.runner
+    (bucket, capture), compiled = max(
+        ((key, c) for key, c in runner.executables.items() if key[0].mode == ForwardMode.DECODE),
+        key=lambda kc: kc[0][0].num_reqs)
+    collectives = [[op, result] for result, op in _COLLECTIVE.findall(compiled.as_text())]
+    weights = sorted({tuple(x.shape) for x in jax.tree.leaves(runner.state)})
+    return {"batch_size": bucket.num_reqs, "collectives": collectives,
+            "weight_shapes": [list(s) for s in weights]}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))
