@@ -3,6 +3,7 @@ HTTP server; its engine flags are generated from the `EngineArgs` fields (names 
 from the comments above each field), so a new engine option is a CLI flag with no edit here."""
 
 import argparse
+import asyncio
 import dataclasses
 import inspect
 import logging
@@ -10,7 +11,11 @@ import re
 import types
 import typing
 
+import uvicorn
+
 from jaxrunner.config import EngineArgs
+from jaxrunner.engine import Engine
+from jaxrunner.server.app import build_app
 
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=30000)
 
@@ -73,26 +78,44 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="the model name clients send (default: the model path)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before "
-                             "they are aborted")
+                             "they are aborted (their streams then end with finish_reason "
+                             "\"abort\")")
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
 
 
 def serve(ns: argparse.Namespace) -> None:
     """Loads the engine (compiling every bucket), then serves until SIGINT/SIGTERM."""
-    import uvicorn
-
-    from jaxrunner.engine import Engine
-    from jaxrunner.server.app import build_app
 
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(**engine_args_from(ns))
     app = build_app(engine, ns.served_model_name)
+    # Uvicorn's own deadline comes later than ours, so aborted streams can send their last chunk.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                            timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False)
-    uvicorn.Server(config).run()
+                            timeout_graceful_shutdown=ns.shutdown_timeout + 10, access_log=False)
+    _GracefulServer(config, app.state.server.engine_loop, ns.shutdown_timeout).run()
     engine.shutdown()
+
+
+class _GracefulServer(uvicorn.Server):
+    """On SIGINT/SIGTERM uvicorn stops accepting and waits for in-flight responses; after
+    `grace` seconds we abort what the engine still runs, so every stream ends with a final
+    chunk (finish_reason "abort") and `[DONE]` rather than a cut connection."""
+
+    def __init__(self, config, engine_loop, grace: float):
+        super().__init__(config)
+        self.engine_loop, self.grace = engine_loop, grace
+
+    async def shutdown(self, sockets=None):
+        timer = asyncio.get_running_loop().call_later(self.grace, self.engine_loop.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+        # Uvicorn re-raises the signal after a graceful shutdown (the process would then die by
+        # SIGTERM); ours is complete, so the process exits normally with status 0.
+        self._captured_signals = []
 
 
 def main(argv: list[str] | None = None) -> None:

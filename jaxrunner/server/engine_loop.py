@@ -126,6 +126,10 @@ class EngineLoop:
         if not group.finished:
             self._inbox.put(("abort", group))
 
+    def abort_all(self) -> None:
+        """Aborts every request the engine holds (graceful shutdown's deadline)."""
+        self._inbox.put(("abort_all", None))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts whatever is still running and ends the thread."""
         if self._thread is not None:
@@ -164,6 +168,8 @@ class EngineLoop:
                 return False
             if cmd == "add":
                 self._add(group, out)
+            elif cmd == "abort_all":
+                self._abort_all(out)
             elif cmd == "abort":
                 for req in group.reqs:
                     if not req.finished:
