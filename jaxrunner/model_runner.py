@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxrunner import distributed
 from jaxrunner.attention import AttentionConfig, create_attention_backend, resolve_backend_name
 from jaxrunner.buckets import Bucket, all_buckets, sample_batch_sizes
 from jaxrunner.compile_guard import CompileMonitor
@@ -66,6 +67,7 @@ class ModelRunner:
                  compile_monitor: CompileMonitor | None = None):
         self.args = args
         self.model_config = model_config
+        distributed.initialize(args)  # multi-host: before anything touches a device
         self.parallel = Parallelism.create(args.tp_size, args.dp_size)
         # This process's first device: its platform and memory size the KV cache.
         self.device = jax.local_devices()[0]

@@ -19,15 +19,37 @@ PARALLEL_ENGINE_KWARGS = dict(dtype="float32", page_size=16, max_total_tokens=10
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], [42], list(range(300, 340))]
 
 
-def run_driver(spec: dict, timeout: float = 600) -> dict:
-    """Runs the driver on `spec` (see driver.py) and returns its JSON."""
+def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], env=env, cwd=ROOT,
+    return env
+
+
+def _result(returncode: int, stdout: str, stderr: str) -> dict:
+    if returncode:
+        raise AssertionError(f"driver failed ({returncode}):\n{stderr[-5000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_driver(spec: dict, timeout: float = 600) -> dict:
+    """Runs the driver on `spec` (see driver.py) and returns its JSON."""
+    proc = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f"driver failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_drivers(specs: list[dict], timeout: float = 600) -> list[dict]:
+    """Runs one driver per spec, all at once (the processes of a multi-host run)."""
+    procs = [subprocess.Popen([sys.executable, str(DRIVER), json.dumps(spec)], env=_env(),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for spec in specs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [_result(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +60,12 @@ def parallel_spec(compilation_cache_dir):
         return dict(devices=8, model_path=str(model_path), runs=runs, prompts=PROMPTS,
                     max_new_tokens=6, engine_kwargs=kwargs, **extra)
     return make
+
+
+@pytest.fixture(scope="session")
+def llama_runs(checkpoint, parallel_spec):
+    """tiny-llama (4 heads, 2 KV heads) at TP 1, 2, 4, by tp_size: TP 4 replicates KV heads (TP 8
+    runs on tiny-qwen3, which has 8 heads); with the decode HLO of each."""
+    runs = [{"tp_size": tp} for tp in (1, 2, 4)]
+    spec = parallel_spec(checkpoint("tiny-llama"), runs, decode_hlo=True)
+    return {r["tp_size"]: r for r in run_driver(spec)["results"]}

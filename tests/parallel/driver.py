@@ -23,15 +23,29 @@ def main(spec: dict) -> dict:
     import jax  # noqa: PLC0415 (the device count above must come first)
 
     from jaxrunner import Engine  # noqa: PLC0415
+    from jaxrunner.distributed import LockstepEngine  # noqa: PLC0415
 
     results = []
     for run in spec["runs"]:
         kwargs = dict(spec.get("engine_kwargs", {}), model_path=spec["model_path"], **run)
         engine = Engine(**kwargs)
         warm = engine.compile_monitor.count
-        outs = engine.generate(input_ids=spec["prompts"],
-                               sampling_params={"max_new_tokens": spec["max_new_tokens"],
-                                                "temperature": 0.0, "ignore_eos": True})
+        params = {"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0,
+                  "ignore_eos": True}
+        if kwargs.get("nnodes", 1) > 1:  # one run per process; rank 0 reports
+            lockstep = LockstepEngine(engine)
+            warm = engine.compile_monitor.count
+            if not lockstep.is_leader:
+                lockstep.follow()
+                return {"results": []}
+            outs = lockstep.generate(spec["prompts"], params)
+            compiles = engine.compile_monitor.count - warm
+            lockstep.shutdown()
+            return {"results": [dict(run, output_ids=[o["output_ids"] for o in outs],
+                                     compiles_after_warmup=compiles,
+                                     process_count=jax.process_count(),
+                                     jax_devices=jax.device_count())]}
+        outs = engine.generate(input_ids=spec["prompts"], sampling_params=params)
         results.append(dict(run, output_ids=[o["output_ids"] for o in outs],
                             compiles_after_warmup=engine.compile_monitor.count - warm,
                             num_devices=engine.runner.parallel.num_devices,

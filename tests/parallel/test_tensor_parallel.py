@@ -13,15 +13,6 @@ from models.sharding import partition_spec, repeat_kv_heads, sharded_model_confi
 from tests.parallel.conftest import run_driver
 
 
-@pytest.fixture(scope="module")
-def llama_runs(checkpoint, parallel_spec):
-    """tiny-llama (4 heads, 2 KV heads) at TP 1, 2, 4: TP 4 replicates KV heads (TP 8 runs on
-    tiny-qwen3, which has 8 heads)."""
-    runs = [{"tp_size": tp} for tp in (1, 2, 4)]
-    spec = parallel_spec(checkpoint("tiny-llama"), runs, decode_hlo=True)
-    return {r["tp_size"]: r for r in run_driver(spec)["results"]}
-
-
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_llama_tp_matches_one_device_without_compiles(llama_runs, tp_size):
     run, base = llama_runs[tp_size], llama_runs[1]
