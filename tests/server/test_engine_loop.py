@@ -1,0 +1,139 @@
+"""The engine loop against a fake engine: all-or-none admission, aborts, idling without
+spinning, and a failing step that fails its requests instead of hanging them."""
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from jaxrunner.server.engine_loop import EngineError, EngineLoop, RequestSpec
+
+
+@dataclasses.dataclass(eq=False)
+class FakeReq:
+    origin_input_ids: list
+    max_new_tokens: int
+    return_logprob: bool = False
+    output_ids: list = dataclasses.field(default_factory=list)
+    output_logprobs: list = dataclasses.field(default_factory=list)
+    finished_reason: dict | None = None
+    stopped_text: str | None = None
+
+    @property
+    def finished(self):
+        return self.finished_reason is not None
+
+
+class FakeEngine:
+    """Emits token 7 per step per request; `fail_at` makes step number n raise."""
+
+    def __init__(self, fail_at=None):
+        self.reqs, self.steps, self.fail_at = [], 0, fail_at
+        self.runner = type("R", (), {})()
+        self.runner.allocator = type("A", (), {"num_free": 10, "capacity": 10})()
+        self.runner.req_to_token_pool = type("P", (), {"num_free_slots": 4})()
+        self.runner.req_to_token_pool.page_table = np.zeros((4, 1))
+        self.scheduler = type("S", (), {"waiting": []})()
+
+    def add_request(self, input_ids, params, return_logprob):
+        if params.get("bad"):
+            raise ValueError("bad request")
+        req = FakeReq(input_ids, params["max_new_tokens"], return_logprob)
+        self.reqs.append(req)
+        return req
+
+    @property
+    def has_unfinished_requests(self):
+        return any(not r.finished for r in self.reqs)
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("boom")
+        live = [r for r in self.reqs if not r.finished]
+        for r in live:
+            r.output_ids.append(7)
+            if len(r.output_ids) == r.max_new_tokens:
+                r.finished_reason = {"type": "length", "length": r.max_new_tokens}
+        return live
+
+    def abort_request(self, req):
+        if not req.finished:
+            req.finished_reason = {"type": "abort"}
+
+
+async def _collect(group):
+    return [d async for d in group.deltas()]
+
+
+def _run(engine, body):
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start(asyncio.get_running_loop())
+        try:
+            return await body(loop)
+        finally:
+            await asyncio.to_thread(loop.stop)
+    return asyncio.run(main())
+
+
+def test_group_runs_to_the_end_and_idles_without_spinning():
+    engine = FakeEngine()
+
+    async def body(loop):
+        group = await loop.submit([RequestSpec([1], {"max_new_tokens": 3}),
+                                   RequestSpec([2], {"max_new_tokens": 5})])
+        deltas = await _collect(group)
+        steps = engine.steps
+        await asyncio.sleep(0.2)
+        return deltas, steps
+
+    deltas, steps = _run(engine, body)
+    assert steps == engine.steps == 5  # idle: no steps while nothing runs
+    assert sum(len(d.token_ids) for d in deltas if d.index == 0) == 3
+    assert sum(len(d.token_ids) for d in deltas if d.index == 1) == 5
+    assert [d.index for d in deltas if d.finished_reason] == [0, 1]
+
+
+def test_admission_is_all_or_none():
+    engine = FakeEngine()
+
+    async def body(loop):
+        with pytest.raises(ValueError, match="bad request"):
+            await loop.submit([RequestSpec([1], {"max_new_tokens": 3}),
+                               RequestSpec([2], {"max_new_tokens": 3, "bad": True})])
+
+    _run(engine, body)
+    assert [r.finished_reason for r in engine.reqs] == [{"type": "abort"}]
+
+
+def test_abort_ends_the_stream():
+    engine = FakeEngine()
+
+    async def body(loop):
+        group = await loop.submit([RequestSpec([1], {"max_new_tokens": 10 ** 9})])
+        async for d in group.deltas():
+            loop.abort(group)
+            if d.finished_reason:
+                return d.finished_reason
+
+    assert _run(engine, body) == {"type": "abort"}
+
+
+def test_a_failing_step_fails_its_requests_and_later_submissions():
+    engine = FakeEngine(fail_at=2)
+
+    async def body(loop):
+        group = await loop.submit([RequestSpec([1], {"max_new_tokens": 5})])
+        with pytest.raises(EngineError):
+            await _collect(group)
+        deadline = time.monotonic() + 5
+        while loop.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not loop.alive and "boom" in loop.error
+        with pytest.raises(EngineError):
+            await loop.submit([RequestSpec([1], {"max_new_tokens": 1})])
+
+    _run(engine, body)
