@@ -51,7 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(EngineArgs):
         flag = "--" + field.name.replace("_", "-")
         kind, optional = _base_type(field.type)
-        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        required = (field.default is dataclasses.MISSING
+                    and field.default_factory is dataclasses.MISSING)
         help_text = docs.get(field.name, "")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,

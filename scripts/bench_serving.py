@@ -36,7 +36,8 @@ WORDS = ("the of and to in is was for on that with as by at from his her an this
          "did many before must through back years where much your way well down should because "
          "each just those people how too little state good very make world still own see men "
          "work long get here between both life being under never day same another know while "
-         "last might us great old year off come since against go came right used take three").split()
+         "last might us great old year off come since against go came right used take three"
+         ).split()
 
 
 @dataclasses.dataclass
