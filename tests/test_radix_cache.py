@@ -160,6 +160,13 @@ def test_evict_takes_least_recently_used_leaves_first_and_returns_pages_once():
     assert cache.evict(1) == 0
 
 
+def test_insert_counts_as_a_use_for_lru():
+    cache, alloc = cache_with(1, [1, 2], [3, 4])
+    assert cache.insert([1, 2], [60, 61]) == 2  # already cached: the caller's pages aren't kept
+    assert cache.evict(2) == 2
+    assert cache.match_prefix([1, 2]).pages != [] and cache.match_prefix([3, 4]).pages == []
+
+
 def test_evict_trims_a_long_leaf_from_its_tail():
     cache, alloc = cache_with(2, [1, 2, 3, 4, 5, 6])
     pages = cache.match_prefix([1, 2, 3, 4, 5, 6]).pages
