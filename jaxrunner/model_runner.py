@@ -21,11 +21,12 @@ from jaxrunner.attention import AttentionConfig, create_attention_backend, resol
 from jaxrunner.buckets import Bucket, all_buckets, sample_batch_sizes
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
+from jaxrunner.dp_attention import stacked_positions
 from jaxrunner.forward_batch import ForwardBatch, compute_positions
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.memory_pool import (PageAllocator, ReqToTokenPool, TokenToKVPool,
                                    available_kv_memory, kv_bytes_per_token)
-from jaxrunner.parallel import Parallelism
+from jaxrunner.parallel import Parallelism, data_parallel_step
 from jaxrunner.sampler import SamplingBatch, sample
 from models.registry import model_class
 from models.config import ModelConfig
@@ -129,9 +130,17 @@ class ModelRunner:
         # Requests that are prefilling also hold a slot, so allow one prefill batch on top.
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1,
                                                 self.max_pages_per_req)
-        self.token_to_kv_pool = TokenToKVPool(cfg.num_hidden_layers, num_pages, args.page_size,
-                                              cfg.num_key_value_heads, cfg.head_dim,
-                                              self.kv_cache_dtype, self.parallel.kv_cache)
+        # DP attention: every rank has num_pages pages of its own (local page ids) and its own
+        # request slots; rank 0's are `allocator` and `req_to_token_pool`.
+        dp = self.parallel.dp_size
+        self.dp_allocators = [self.allocator] + [PageAllocator(num_pages) for _ in range(dp - 1)]
+        self.dp_req_to_token_pools = [self.req_to_token_pool] + [
+            ReqToTokenPool(args.max_running_requests + 1, self.max_pages_per_req)
+            for _ in range(dp - 1)]
+        self.token_to_kv_pool = TokenToKVPool(cfg.num_hidden_layers, dp * num_pages,
+                                              args.page_size, cfg.num_key_value_heads,
+                                              cfg.head_dim, self.kv_cache_dtype,
+                                              self.parallel.kv_cache)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, args.page_size,
                     self.token_to_kv_pool.bytes / 2**20)
 
@@ -151,11 +160,18 @@ class ModelRunner:
         """Compiles every bucket's step and sampler ahead of time (SGLang: CUDA-graph capture)."""
         # Logits leave the step whole (the sampler is not sharded); the KV cache keeps its
         # sharding, so the donated buffers are reused step after step.
-        replicated = self.parallel.replicated
-        self._step_fn = jax.jit(partial(_forward_step, self.graphdef, self.attn_backend),
-                                donate_argnums=(1,),
-                                out_shardings=(replicated, self.parallel.kv_cache))
-        self._sample_fn = jax.jit(sample, in_shardings=replicated, out_shardings=replicated)
+        # DP attention (jaxrunner/dp_attention.py): one step for all ranks, each over its row of
+        # a [dp, ...] batch, sampling per rank.
+        io_sharding = self.parallel.replicated
+        step, sample_fn = partial(_forward_step, self.graphdef, self.attn_backend), sample
+        if self.parallel.dp_size > 1:
+            io_sharding = self.parallel.batch
+            step = data_parallel_step(step, self.parallel.mesh)
+            sample_fn = jax.vmap(sample)
+        self._step_fn = jax.jit(step, donate_argnums=(1,),
+                                out_shardings=(io_sharding, self.parallel.kv_cache))
+        self._sample_fn = jax.jit(sample_fn, in_shardings=io_sharding,
+                                  out_shardings=io_sharding)
         self.executables: dict[tuple[Bucket, CaptureHiddenMode], object] = {}
         self.sample_executables: dict[int, object] = {}
         sizes = sample_batch_sizes(self.buckets)
@@ -167,15 +183,16 @@ class ModelRunner:
             self._warm_positions(bucket)
             progress.update()
         for size in sizes:
-            spec = SamplingBatch.abstract(size)
-            logits = jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32)
+            spec = self._per_dp_rank(SamplingBatch.abstract(size))
+            logits = self._per_dp_rank(
+                jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32))
             self.sample_executables[size] = self._sample_fn.lower(logits, spec).compile()
             progress.update()
         progress.close()
         self.warm_compile_count = self.compile_monitor.count
 
     def _compile_step(self, bucket: Bucket, capture: CaptureHiddenMode):
-        fb_spec = self.forward_batch_spec(bucket, capture)
+        fb_spec = self._per_dp_rank(self.forward_batch_spec(bucket, capture))
         compiled = self._step_fn.lower(self.state, self.token_to_kv_pool.kv_caches, fb_spec).compile()
         self.executables[(bucket, capture)] = compiled
         return compiled
@@ -183,6 +200,17 @@ class ModelRunner:
     def _warm_positions(self, bucket: Bucket) -> None:
         zeros = jax.device_put(np.zeros((3, bucket.num_reqs), np.int32))
         compute_positions(zeros[0], zeros[1], zeros[2], num_tokens=bucket.num_tokens)
+        if self.parallel.dp_size > 1:
+            zeros = jax.device_put(np.zeros((self.parallel.dp_size, bucket.num_reqs), np.int32),
+                                   self.parallel.batch)
+            stacked_positions(zeros, zeros, zeros, num_tokens=bucket.num_tokens)
+
+    def _per_dp_rank(self, specs):
+        """DP attention: every leaf of `specs` gets a leading [dp] axis over `data`."""
+        if self.parallel.dp_size == 1:
+            return specs
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+            (self.parallel.dp_size, *s.shape), s.dtype, sharding=self.parallel.batch), specs)
 
     def forward_batch_spec(self, bucket: Bucket, capture=CaptureHiddenMode.NULL) -> ForwardBatch:
         """The abstract ForwardBatch of a bucket, for lowering."""

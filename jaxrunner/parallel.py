@@ -11,6 +11,7 @@ on its row of the mesh.
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import numpy as np
@@ -47,16 +48,20 @@ class Parallelism:
 
     mesh: Mesh
     replicated: NamedSharding       # inputs, metadata, logits
-    kv_cache: NamedSharding         # [num_pages, page_size, 2 * K, Dh]: heads over `tensor`
+    # [dp * num_pages, page_size, 2 * K, Dh]: each DP rank's pages on its mesh row, heads over
+    # `tensor`.
+    kv_cache: NamedSharding
     heads: NamedSharding            # q/k/v [T, H or K, Dh]: heads over `tensor`
+    batch: NamedSharding            # DP attention inputs [dp, ...]: one row per DP rank
 
     @classmethod
     def create(cls, tp_size: int = 1, dp_size: int = 1, devices=None) -> "Parallelism":
         mesh = make_mesh(tp_size, dp_size, devices)
         return cls(mesh=mesh,
                    replicated=NamedSharding(mesh, P()),
-                   kv_cache=NamedSharding(mesh, P(None, None, TENSOR_AXIS, None)),
-                   heads=NamedSharding(mesh, P(None, TENSOR_AXIS, None)))
+                   kv_cache=NamedSharding(mesh, P(DATA_AXIS, None, TENSOR_AXIS, None)),
+                   heads=NamedSharding(mesh, P(None, TENSOR_AXIS, None)),
+                   batch=NamedSharding(mesh, P(DATA_AXIS)))
 
     @property
     def tp_size(self) -> int:
@@ -84,3 +89,21 @@ def check_tp_size(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
     if num_kv_heads % tp_size and tp_size % num_kv_heads:
         raise ValueError(f"tp_size ({tp_size}) and num_key_value_heads ({num_kv_heads}) must "
                          f"divide one another, so each shard holds whole KV heads")
+
+
+def data_parallel_step(step: Callable, mesh: Mesh) -> Callable:
+    """`step(state, kv_caches, fb) -> (out, kv_caches)` run once per DP rank (DP attention).
+
+    The batch's arrays carry a leading [dp] axis and the KV caches `dp * num_pages` pages; each
+    rank gets its row of the batch and its own pages (its page ids are local), while the weights
+    stay whole over `data` and GSPMD keeps sharding them over `tensor` inside (the shard_map is
+    manual over `data` only). The outputs come back stacked: [dp, ...].
+    """
+    def per_rank(state, kv_caches, fb):
+        fb = jax.tree.map(lambda x: x[0], fb)
+        out, kv_caches = step(state, kv_caches, fb)
+        return jax.tree.map(lambda x: x[None], out), kv_caches
+
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)),
+                         out_specs=(P(DATA_AXIS), P(DATA_AXIS)), axis_names={DATA_AXIS},
+                         check_vma=False)

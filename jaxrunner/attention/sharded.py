@@ -32,7 +32,8 @@ def local_config(config: AttentionConfig, tp_size: int) -> AttentionConfig:
 class ShardedAttentionBackend(AttentionBackend):
     """Wraps `inner` (built for `local_config`) so it runs once per `tensor` shard."""
 
-    def __init__(self, inner: AttentionBackend, config: AttentionConfig, mesh: jax.sharding.Mesh):
+    def __init__(self, inner: AttentionBackend, config: AttentionConfig,
+                 mesh: jax.sharding.Mesh):
         super().__init__(config)
         self.inner = inner
         self.mesh = mesh
@@ -41,9 +42,13 @@ class ShardedAttentionBackend(AttentionBackend):
         return self.inner.init_forward_metadata(forward_batch)
 
     def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata):
+        # Inside DP attention's shard_map over `data` the context mesh has `data` manual; the
+        # shard_map over `tensor` must name that mesh.
+        context = jax.sharding.get_abstract_mesh()
+        mesh = self.mesh if context.empty else context
         # check_vma=False: Pallas kernels do not declare how their outputs vary over the mesh.
         per_shard = jax.shard_map(
-            self.inner.forward, mesh=self.mesh,
+            self.inner.forward, mesh=mesh,
             in_specs=(_HEADS, _HEADS, _HEADS, _KV_CACHE, P(), P()),
             out_specs=(_HEADS, _KV_CACHE), check_vma=False)
         return per_shard(q, k, v, kv_cache, forward_batch, metadata)
