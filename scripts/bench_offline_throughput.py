@@ -37,9 +37,16 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-tokens", type=int, default=1024)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="DP attention ranks (not yet served by the Engine's scheduler: only 1)")
     p.add_argument("--compilation-cache-dir", default=str(ROOT / ".jax_cache"))
     p.add_argument("--json-out", help="also write the JSON result to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.dp_size != 1:
+        p.error("--dp-size > 1: DP attention runs through jaxrunner.dp_attention, which the "
+                "Engine's scheduler does not drive yet")
+    return args
 
 
 def random_workload(num_prompts, input_len, output_len, vocab_size, seed):
@@ -70,6 +77,7 @@ def main(argv=None):
                     max_prefill_tokens=args.max_prefill_tokens,
                     max_total_tokens=args.max_total_tokens,
                     attention_backend=args.attention_backend,
+                    tp_size=args.tp_size, dp_size=args.dp_size,
                     compilation_cache_dir=args.compilation_cache_dir,
                     disallow_compile_after_warmup=True, skip_tokenizer_init=True)
     startup_s = time.perf_counter() - t0
@@ -83,10 +91,14 @@ def main(argv=None):
     elapsed = time.perf_counter() - t0
     input_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    num_devices = engine.runner.parallel.num_devices
     result = {
         "model_path": model_path,
         "backend": engine.runner.attention_backend_name,
         "device": str(engine.runner.device),
+        "tp_size": args.tp_size,
+        "dp_size": args.dp_size,
+        "num_devices": num_devices,
         "num_prompts": args.num_prompts,
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
@@ -96,6 +108,8 @@ def main(argv=None):
         "input_throughput": input_tokens / elapsed,
         "output_throughput": output_tokens / elapsed,
         "total_throughput": (input_tokens + output_tokens) / elapsed,
+        "output_throughput_per_device": output_tokens / elapsed / num_devices,
+        "total_throughput_per_device": (input_tokens + output_tokens) / elapsed / num_devices,
         "model_steps": engine.scheduler.forward_ct - steps_before,
         "compiles_after_warmup": engine.compile_monitor.count - engine.runner.warm_compile_count,
         "engine_args": dataclasses.asdict(engine.args),
@@ -112,6 +126,9 @@ def main(argv=None):
         ("input throughput (tok/s)", result["input_throughput"]),
         ("output throughput (tok/s)", result["output_throughput"]),
         ("total throughput (tok/s)", result["total_throughput"]),
+        ("devices (tp x dp)", f"{num_devices} ({args.tp_size} x {args.dp_size})"),
+        ("output throughput / device (tok/s)", result["output_throughput_per_device"]),
+        ("total throughput / device (tok/s)", result["total_throughput_per_device"]),
         ("model steps", result["model_steps"]),
         ("compiles after warm-up", result["compiles_after_warmup"]),
     ])
