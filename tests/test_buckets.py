@@ -6,8 +6,10 @@ from jaxrunner.forward_mode import ForwardMode
 
 
 def test_decode_buckets_are_powers_of_two_up_to_the_max():
-    assert [b.num_reqs for b in decode_buckets(48)] == [1, 2, 4, 8, 16, 32, 48]
+    assert [b.num_reqs for b in decode_buckets(48)] == [2, 4, 8, 16, 32, 48]
     assert all(b.num_tokens == b.num_reqs for b in decode_buckets(48))
+    # A lone request decodes in a bucket of 2 (see MIN_DECODE_BATCH).
+    assert [b.num_reqs for b in decode_buckets(1)] == [2]
 
 
 def test_extend_buckets_cover_every_token_and_request_count():
@@ -23,6 +25,7 @@ def test_extend_buckets_cover_every_token_and_request_count():
 def test_pick_bucket_takes_the_smallest_fit():
     buckets = all_buckets(512, 64)
     assert pick_bucket(buckets, ForwardMode.DECODE, 5, 5) == Bucket(ForwardMode.DECODE, 8, 8)
+    assert pick_bucket(buckets, ForwardMode.DECODE, 1, 1) == Bucket(ForwardMode.DECODE, 2, 2)
     assert pick_bucket(buckets, ForwardMode.EXTEND, 33, 2) == Bucket(ForwardMode.EXTEND, 64, 4)
     with pytest.raises(ValueError, match="no EXTEND bucket"):
         pick_bucket(buckets, ForwardMode.EXTEND, 513, 1)

@@ -1,5 +1,7 @@
 """The offline engine end to end on the tiny Llama: batching, compiles, sampling, stops, errors."""
 
+import re
+
 import jax.monitoring
 import numpy as np
 import pytest
@@ -202,3 +204,14 @@ def test_abort_frees_pages_of_running_and_waiting_requests(engine):
     assert len(reqs[0].output_ids) == len(reqs[2].output_ids) == 40
     assert len(reqs[1].output_ids) == 2 and late.output_ids == []
     assert _all_pages_free(engine)
+
+
+def test_no_executable_copies_the_kv_cache(engine):
+    """The cache is donated: a copy of it in any step means XLA could not update it in place,
+    which costs a full cache write per layer per step."""
+    runner = engine.runner
+    num_pages = runner.token_to_kv_pool.shape[0]
+    cache_copy = re.compile(rf"= \w+\[{num_pages},[\d,]+\]\{{[\d,]+\}} copy\(")
+    for key, executable in runner.executables.items():
+        copies = cache_copy.findall(executable.as_text())
+        assert not copies, f"{key[0]} copies the KV cache {len(copies)} times"

@@ -74,6 +74,8 @@ CASES = {
     "decode": ([5, 17, 40, 0], [1, 1, 1, 1], 4, 4),
     "prefill": ([0, 0, 0], [7, 20, 1], 32, 4),
     "mixed_with_prefix": ([9, 0, 33, 4], [1, 12, 5, 1], 24, 4),
+    # Several query blocks per request, ragged block ends, and two padding request rows.
+    "multi_block": ([0, 40, 0, 3], [130, 70, 7, 1], 256, 6),
 }
 
 
@@ -85,9 +87,9 @@ def test_native_matches_dense_reference(case, page_size, group, window, soft_cap
     rng = np.random.default_rng(hash((case, page_size)) % 2**32)
     cfg = AttentionConfig(num_heads=2 * group, num_kv_heads=2, head_dim=16, page_size=page_size,
                           sm_scale=0.25, sliding_window=window, soft_cap=soft_cap)
-    max_pages = 64 // page_size
+    max_pages = 256 // page_size
     cache, q, k_new, v_new, full_k, full_v, wb = make_batch(
-        rng, prefix_lens, new_lens, cfg, num_pages=40, T=T, R=R, max_pages=max_pages)
+        rng, prefix_lens, new_lens, cfg, num_pages=80, T=T, R=R, max_pages=max_pages)
     backend = NativeAttentionBackend(cfg)
     fb, _ = ForwardBatch.init_new(wb)
 

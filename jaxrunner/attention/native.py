@@ -1,8 +1,11 @@
 """Paged attention in plain XLA: the CPU default and the engine's readable baseline.
 
-One formulation serves decode, extend and mixed batches: each token walks its own request's
-pages in chunks, with an online softmax, for as many chunks as the longest request in the batch
-needs (a dynamic trip count, so short batches do not pay for the longest possible context).
+Tokens are grouped into query blocks of one request each (a decode token is a block of one);
+each block walks its request's pages a chunk at a time with an online softmax, for as many
+chunks as the longest request in the batch needs (a dynamic trip count, so short batches do not
+pay for the longest possible context). Blocks make a prefill read each page once per block
+rather than once per token, and small chunks keep every intermediate small: on a CPU, writing
+large fresh buffers costs more than the arithmetic.
 """
 
 from dataclasses import dataclass
@@ -16,80 +19,127 @@ from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.forward_batch import ForwardBatch
 from kernels_pallas import update_kv_cache
 
-# KV tokens each token attends to per loop step; a multiple of the page size.
-_CHUNK_TOKENS = 256
+# (query tokens per block, KV tokens per loop step) by mode, measured on a CPU. Decode blocks
+# hold one token; extend blocks are larger so a prefill gathers each page once per 64 tokens.
+_DECODE_BLOCK, _DECODE_CHUNK_TOKENS = 1, 32
+_EXTEND_BLOCK, _EXTEND_CHUNK_TOKENS = 64, 128
 _MASKED = -1e30  # finite, so a fully masked chunk gives exp(0) * 0 rather than NaN
-
-
-class NativeAttentionBackend(AttentionBackend):
-    def __init__(self, config: AttentionConfig):
-        super().__init__(config)
-        self.pages_per_chunk = max(1, _CHUNK_TOKENS // config.page_size)
-
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> "NativeMetadata":
-        fb = forward_batch
-        # Pad the page table so the last chunk's slice stays in bounds (dummy page, masked).
-        num_pages = fb.page_table.shape[1]
-        padded = -(-num_pages // self.pages_per_chunk) * self.pages_per_chunk
-        page_table = jnp.pad(fb.page_table, ((0, 0), (0, padded - num_pages)))
-        valid_token = jnp.arange(fb.num_tokens) < fb.extend_num_tokens
-        token_kv_len = jnp.where(valid_token, fb.seq_lens[fb.token_to_req], 0)
-        chunk = self.pages_per_chunk * self.config.page_size
-        return NativeMetadata(token_pages=page_table[fb.token_to_req], token_kv_len=token_kv_len,
-                              num_chunks=(jnp.max(token_kv_len) + chunk - 1) // chunk)
-
-    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata):
-        kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
-        out = paged_attention(q, kv_cache, forward_batch.positions, metadata, self.config,
-                              self.pages_per_chunk)
-        return out, kv_cache
 
 
 @partial(jax.tree_util.register_dataclass)
 @dataclass(frozen=True)
 class NativeMetadata:
-    token_pages: jax.Array   # i32[T, P']: the pages of each token's request
-    token_kv_len: jax.Array  # i32[T]: KV length of each token's request (0 for padding)
-    num_chunks: jax.Array    # i32[]: chunks the longest request needs
+    """Query blocks (NB of them, Bq rows each) and where each token's output lands."""
+
+    block_rows: jax.Array    # i32[NB, Bq]: token index of each row (clipped for padding rows)
+    block_pos: jax.Array     # i32[NB, Bq]: position of each row; -1 for padding rows
+    block_kv_len: jax.Array  # i32[NB]: KV length of the block's request (0 for padding blocks)
+    block_pages: jax.Array   # i32[NB, P']: the block's request pages, padded to whole chunks
+    token_block: jax.Array   # i32[T]: block holding each token
+    token_row: jax.Array     # i32[T]: row of each token within its block
+    num_chunks: jax.Array    # i32[]: KV chunks the longest request needs
 
 
-def paged_attention(q, kv_cache, positions, meta: NativeMetadata, cfg: AttentionConfig,
+class NativeAttentionBackend(AttentionBackend):
+    def __init__(self, config: AttentionConfig):
+        super().__init__(config)
+
+    def _shape(self, fb: ForwardBatch) -> tuple[int, int, int]:
+        """(block rows Bq, number of blocks NB, pages per chunk) for this batch's shape."""
+        R, T = fb.batch_size, fb.num_tokens
+        if fb.forward_mode.is_decode():
+            block, chunk_tokens, num_blocks = _DECODE_BLOCK, _DECODE_CHUNK_TOKENS, R
+        else:
+            block, chunk_tokens = min(_EXTEND_BLOCK, T), _EXTEND_CHUNK_TOKENS
+            # Each request adds at most one partial block.
+            num_blocks = min(T, T // block + R)
+        return block, num_blocks, max(1, chunk_tokens // self.config.page_size)
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> NativeMetadata:
+        fb = forward_batch
+        block, num_blocks, pages_per_chunk = self._shape(fb)
+        R = fb.batch_size
+        lens = fb.extend_seq_lens
+        req_blocks = (lens + block - 1) // block                         # [R]
+        req_first_block = jnp.cumsum(req_blocks) - req_blocks            # [R]
+        b = jnp.arange(num_blocks)
+        block_req = jnp.minimum(
+            jnp.searchsorted(req_first_block + req_blocks, b, side="right"), R - 1)
+        real_block = b < jnp.sum(req_blocks)
+        local = (b - req_first_block[block_req]) * block                 # first row's offset
+        row = jnp.arange(block)
+        row_valid = real_block[:, None] & (local[:, None] + row < lens[block_req][:, None])
+        block_rows = fb.extend_start_loc[block_req][:, None] + local[:, None] + row
+        block_pos = jnp.where(row_valid,
+                              fb.extend_prefix_lens[block_req][:, None] + local[:, None] + row, -1)
+
+        num_pages = fb.page_table.shape[1]
+        padded = -(-num_pages // pages_per_chunk) * pages_per_chunk
+        page_table = jnp.pad(fb.page_table, ((0, 0), (0, padded - num_pages)))
+        block_kv_len = jnp.where(real_block, fb.seq_lens[block_req], 0)
+
+        offset = jnp.arange(fb.num_tokens) - fb.extend_start_loc[fb.token_to_req]
+        token_block = req_first_block[fb.token_to_req] + offset // block
+        chunk = pages_per_chunk * self.config.page_size
+        return NativeMetadata(
+            block_rows=jnp.clip(block_rows, 0, fb.num_tokens - 1).astype(jnp.int32),
+            block_pos=block_pos.astype(jnp.int32), block_kv_len=block_kv_len.astype(jnp.int32),
+            block_pages=page_table[block_req],
+            token_block=jnp.clip(token_block, 0, num_blocks - 1).astype(jnp.int32),
+            token_row=(offset % block).astype(jnp.int32),
+            num_chunks=((jnp.max(block_kv_len) + chunk - 1) // chunk).astype(jnp.int32))
+
+    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata: NativeMetadata):
+        kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
+        _, _, pages_per_chunk = self._shape(forward_batch)
+        out = paged_attention(q, kv_cache, metadata, self.config, pages_per_chunk)
+        return out, kv_cache
+
+
+def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
                     pages_per_chunk: int):
     """q [T, Hq, D] over the cached K/V of each token's request -> [T, Hq, D]."""
     T, num_heads, head_dim = q.shape
-    out_dtype = q.dtype
+    num_blocks, block = meta.block_rows.shape
     num_kv_heads = cfg.num_kv_heads
     group = num_heads // num_kv_heads
     chunk = pages_per_chunk * cfg.page_size
-    q = (q.astype(jnp.float32) * cfg.sm_scale).reshape(T, num_kv_heads, group, head_dim)
+    num_pages = kv_cache.shape[0]
+    # One row per page, so a chunk's pages come out in one gather of contiguous rows.
+    pages_as_rows = kv_cache.reshape(num_pages, -1)
+    qb = (q.astype(jnp.float32) * cfg.sm_scale)[meta.block_rows]        # [NB, Bq, Hq, D]
+    qb = qb.reshape(num_blocks, block, num_kv_heads, group, head_dim)
 
     def body(c, carry):
         m, l, acc = carry
-        pages = lax.dynamic_slice_in_dim(meta.token_pages, c * pages_per_chunk, pages_per_chunk, 1)
-        kv = kv_cache[pages].reshape(T, chunk, 2 * num_kv_heads, head_dim).astype(jnp.float32)
-        k, v = kv[:, :, 0::2], kv[:, :, 1::2]                    # [T, C, Hkv, D]
-        s = jnp.einsum("thgd,tchd->thgc", q, k)
+        pages = lax.dynamic_slice_in_dim(meta.block_pages, c * pages_per_chunk, pages_per_chunk, 1)
+        kv = jnp.take(pages_as_rows, pages.reshape(-1), axis=0, mode="clip")
+        kv = kv.reshape(num_blocks, chunk, 2 * num_kv_heads, head_dim).astype(jnp.float32)
+        kv_pos = c * chunk + jnp.arange(chunk)                            # [C]
+        in_request = kv_pos[None, :] < meta.block_kv_len[:, None]         # [NB, C]
+        # Slots past a request's length may hold anything, NaN included: keep them out of p @ v.
+        k = kv[:, :, 0::2]
+        v = jnp.where(in_request[..., None, None], kv[:, :, 1::2], 0.0)   # [NB, C, Hkv, D]
+        s = jnp.einsum("bqhgd,bchd->bqhgc", qb, k)
         if cfg.soft_cap is not None:
             s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
-        kv_pos = c * chunk + jnp.arange(chunk)                   # [C]
-        mask = kv_pos[None, :] <= positions[:, None]             # causal
-        mask &= kv_pos[None, :] < meta.token_kv_len[:, None]     # own request; none for padding
+        pos = meta.block_pos[..., None]                                   # [NB, Bq, 1]
+        mask = (kv_pos <= pos) & in_request[:, None, :]                   # causal, own request
         if cfg.sliding_window is not None:
-            mask &= kv_pos[None, :] > positions[:, None] - cfg.sliding_window
-        # Slots past a request's length may hold anything, NaN included: keep them out of p @ v.
-        v = jnp.where((kv_pos[None, :] < meta.token_kv_len[:, None])[..., None, None], v, 0.0)
-        mask = mask[:, None, None, :]
+            mask &= kv_pos > pos - cfg.sliding_window
+        mask = mask[:, :, None, None, :]
         s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("thgc,tchd->thgd", p, v)
+        acc = acc * correction[..., None] + jnp.einsum("bqhgc,bchd->bqhgd", p, v)
         return m_new, l, acc
 
-    init = (jnp.full((T, num_kv_heads, group), _MASKED, jnp.float32),
-            jnp.zeros((T, num_kv_heads, group), jnp.float32),
-            jnp.zeros((T, num_kv_heads, group, head_dim), jnp.float32))
+    stats = (num_blocks, block, num_kv_heads, group)
+    init = (jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros(stats + (head_dim,), jnp.float32))
     _, l, acc = lax.fori_loop(0, meta.num_chunks, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]
-    return out.reshape(T, num_heads, head_dim).astype(out_dtype)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]                          # [NB, Bq, Hkv, G, D]
+    out = out[meta.token_block, meta.token_row]                           # [T, Hkv, G, D]
+    return out.reshape(T, num_heads, head_dim).astype(q.dtype)
