@@ -1,0 +1,268 @@
+"""Shared pieces of the benchmarks: what the model costs, what this machine can do, and printing.
+
+- `ModelShapes`: the matmul shapes, FLOPs and bytes of a Llama-family model, from its config.
+- `measure_matmul_rates` / `measure_memory_bandwidth`: this machine's f32 (or the model dtype's)
+  matmul rate at the model's own shapes and its memory bandwidth, timed with jitted jnp ops
+  (warm-up, then the median of a few runs), so every benchmark states its hardware limit from the
+  same run instead of from a datasheet.
+- `emit`: prints the JSON line, optionally writes it to a file, then prints a table.
+"""
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- what the model costs --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """FLOPs split by kind: the layers' projections, attention scores/values, the LM head."""
+
+    layers: float = 0.0
+    attention: float = 0.0
+    lm_head: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.attention + self.lm_head
+
+    def __add__(self, other: "FlopCount") -> "FlopCount":
+        return FlopCount(self.layers + other.layers, self.attention + other.attention,
+                         self.lm_head + other.lm_head)
+
+    def as_dict(self) -> dict:
+        return {"layers": self.layers, "attention": self.attention, "lm_head": self.lm_head,
+                "total": self.total}
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The sizes that set a Llama-family model's FLOPs and bytes."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype: str = "float32"
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, dtype: str = "float32") -> "ModelShapes":
+        """`dtype` as the engine takes it ("auto": the checkpoint's, as ModelRunner resolves it)."""
+        if dtype == "auto":
+            dtype = cfg.torch_dtype if cfg.torch_dtype in ("float32", "bfloat16") else "bfloat16"
+        return cls(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+                   layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                   kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                   vocab=cfg.vocab_size, dtype=str(jnp.dtype(dtype)))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+    def projections(self) -> list[tuple[str, int, int]]:
+        """(name, in, out) of each matmul in one decoder layer."""
+        D, F = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [("q_proj", D, q), ("k_proj", D, kv), ("v_proj", D, kv), ("o_proj", q, D),
+                ("gate_proj", D, F), ("up_proj", D, F), ("down_proj", F, D)]
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul weights of all decoder layers (no embedding, no LM head, no norms)."""
+        return self.layers * sum(k * n for _, k, n in self.projections())
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes one step reads of the weights: the layers' matmuls and the LM head (the
+        embedding is gathered row by row, counted with the activations)."""
+        return (self.layer_params + self.hidden * self.vocab) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def attention_flops(self, keys: float) -> float:
+        """Scores (q.k) and values (p.v) of one query over `keys` keys, in every layer."""
+        return 4.0 * self.layers * self.heads * self.head_dim * keys
+
+    def tokens_flops(self, num_tokens: int, keys_sum: float, sampled: int) -> FlopCount:
+        """`num_tokens` tokens through the layers attending `keys_sum` keys in all, and the LM
+        head for `sampled` of them."""
+        return FlopCount(layers=2.0 * self.layer_params * num_tokens,
+                         attention=self.attention_flops(keys_sum),
+                         lm_head=2.0 * self.hidden * self.vocab * sampled)
+
+    def request_flops(self, prompt_len: int, output_len: int, cached: int = 0) -> FlopCount:
+        """Useful FLOPs of one request: positions `cached` .. prompt+output-2 run through the
+        layers (the last output token is never fed back), position p attends p + 1 keys, and
+        the LM head runs once per output token. No padding."""
+        last = prompt_len + output_len - 1  # positions cached .. last - 1 are computed
+        n = max(last - cached, 0)
+        keys = (last * (last + 1) - cached * (cached + 1)) / 2
+        return self.tokens_flops(n, keys, output_len)
+
+    def decode_step_bytes(self, batch: int, keys_sum: int) -> dict:
+        """Bytes a decode step must move: weights once, KV of every key read, the new K/V
+        written, and activations (each matmul's input and output, embedding rows, logits)."""
+        per_token_act = sum(k + n for _, k, n in self.projections()) * self.layers
+        per_token_act += self.intermediate * self.layers   # silu(gate) * up
+        per_token_act += 2 * self.hidden + self.vocab     # embedding row, final hidden, logits
+        return {
+            "weights": self.weight_bytes,
+            "kv_read": keys_sum * self.kv_bytes_per_token,
+            "kv_write": batch * self.kv_bytes_per_token,
+            "activations": batch * per_token_act * self.dtype_bytes,
+        }
+
+
+# ---- what this machine can do -----------------------------------------------------------------
+
+
+def time_median(fn, *args, reps: int = 5, warmup: int = 2) -> float:
+    """Median wall time of `fn(*args)` with its result ready, after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@jax.jit
+def _matmul(a, b):
+    return jnp.dot(a, b)
+
+
+def matmul_seconds(m: int, k: int, n: int, dtype="float32", reps: int = 5) -> float:
+    """Median time of one jitted [m, k] x [k, n] matmul."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
+    b = jnp.asarray(rng.standard_normal((k, n), np.float32), dtype)
+    return time_median(_matmul, a, b, reps=reps)
+
+
+def measure_matmul_rates(shapes: ModelShapes, rows=(64, 128, 256, 512), dtype="float32",
+                         reps: int = 5) -> dict:
+    """Matmul rate at the model's shapes for each row count M (tokens in a step).
+
+    For every M: the time of one layer's projections ([M, in] x [in, out], each timed alone)
+    times the layer count, and of the LM head ([M, hidden] x [hidden, vocab]). Returns the rates
+    per M and the best of each kind, which is what a floor (a lower bound on time) divides by.
+    """
+    per_rows = []
+    cache = {}
+    for m in rows:
+        layer_s = 0.0
+        for _, k, n in shapes.projections():
+            if (m, k, n) not in cache:
+                cache[(m, k, n)] = matmul_seconds(m, k, n, dtype, reps)
+            layer_s += cache[(m, k, n)]
+        layers_s = layer_s * shapes.layers
+        head_s = matmul_seconds(m, shapes.hidden, shapes.vocab, dtype, reps)
+        per_rows.append({
+            "rows": m,
+            "layers_matmul_s": layers_s,
+            "lm_head_s": head_s,
+            "layers_flops_per_s": 2.0 * shapes.layer_params * m / layers_s,
+            "lm_head_flops_per_s": 2.0 * shapes.hidden * shapes.vocab * m / head_s,
+        })
+    return {
+        "dtype": str(jnp.dtype(dtype)),
+        "per_rows": per_rows,
+        "layers_flops_per_s": max(r["layers_flops_per_s"] for r in per_rows),
+        "lm_head_flops_per_s": max(r["lm_head_flops_per_s"] for r in per_rows),
+    }
+
+
+def floor_seconds(flops: FlopCount, rates: dict) -> float:
+    """The time `flops` need at the measured rates (attention at the layers' rate)."""
+    return ((flops.layers + flops.attention) / rates["layers_flops_per_s"]
+            + flops.lm_head / rates["lm_head_flops_per_s"])
+
+
+@jax.jit
+def _read_all(x):
+    return jnp.sum(x)
+
+
+@jax.jit
+def _copy_scaled(x):
+    return x * 2.0
+
+
+def measure_memory_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> dict:
+    """Bytes per second of a jitted full read (sum) and of a read + write (scale) of a buffer
+    much larger than the caches; `bytes_per_s` is the better of the two."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    read_s = time_median(_read_all, x, reps=reps)
+    copy_s = time_median(_copy_scaled, x, reps=reps)
+    out = {"buffer_bytes": nbytes, "read_bytes_per_s": nbytes / read_s,
+           "copy_bytes_per_s": 2 * nbytes / copy_s}
+    out["bytes_per_s"] = max(out["read_bytes_per_s"], out["copy_bytes_per_s"])
+    return out
+
+
+def machine_info() -> dict:
+    device = jax.devices()[0]
+    return {"platform": device.platform, "device_kind": device.device_kind,
+            "num_devices": jax.device_count(), "cpu_count": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "jax_version": jax.__version__}
+
+
+# ---- printing ---------------------------------------------------------------------------------
+
+
+def format_value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.1f}"
+    return str(value)
+
+
+def print_table(rows: list[tuple[str, object]], title: str | None = None) -> None:
+    """Key/value rows between rules."""
+    width = max(len(k) for k, _ in rows)
+    rule = "=" * (width + 22)
+    print("\n" + rule)
+    if title:
+        print(title)
+        print("-" * len(rule))
+    for key, value in rows:
+        print(f"{key:<{width}}  {format_value(value):>18}")
+    print(rule)
+
+
+def print_grid(header: list[str], lines: list[list[object]]) -> None:
+    """A table with one line per record (e.g. per batch size)."""
+    cells = [header] + [[format_value(v) for v in line] for line in lines]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    print("\n" + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells[1:]:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def emit(result: dict, json_out: str | None = None) -> None:
+    """Prints `result` as one JSON line and writes it to `json_out` when given."""
+    print(json.dumps(result))
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
