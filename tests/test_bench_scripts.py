@@ -1,0 +1,140 @@
+"""The benchmark scripts run end to end on the tiny Llama with tiny settings and report sane
+numbers; the FLOP accounting they rest on matches a token-by-token count.
+
+Smoke tests, not timings: they check the JSON's fields and their relations, never speed.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_common  # noqa: E402
+import bench_offline_throughput  # noqa: E402
+import bench_one_batch  # noqa: E402
+import plot_one_batch  # noqa: E402
+
+TINY = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64,
+            vocab=1024)
+
+
+def test_request_flops_counts_every_token_at_its_context():
+    shapes = bench_common.ModelShapes(**TINY)
+    prompt, out, cached = 20, 5, 8
+    per_token = 2 * shapes.layer_params
+    # Positions cached .. prompt+out-2 run through the layers; position p attends p + 1 keys.
+    positions = range(cached, prompt + out - 1)
+    want_layers = per_token * len(positions)
+    want_attn = sum(4 * shapes.layers * shapes.heads * shapes.head_dim * (p + 1)
+                    for p in positions)
+    got = shapes.request_flops(prompt, out, cached=cached)
+    assert got.layers == want_layers
+    assert got.attention == want_attn
+    assert got.lm_head == 2 * shapes.hidden * shapes.vocab * out
+    # Per layer: q, o 256x256; k, v 256x128; gate, up 256x512, down 512x256.
+    assert shapes.layer_params == 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512)
+
+
+def test_shared_prefix_workload_shares_exactly_the_prefix():
+    w = bench_offline_throughput.shared_prefix_workload(
+        num_groups=3, prompts_per_group=2, prefix_len=16, suffix_len=4, output_len=(2, 5),
+        vocab_size=1024, seed=0)
+    assert len(w.prompts) == 6 and all(len(p) == 20 for p in w.prompts)
+    assert all(2 <= n <= 5 for n in w.output_lens)
+    for i, p in enumerate(w.prompts):
+        assert p[:16] == w.prompts[i % 3][:16]
+        assert w.shared_prefix_lens[i] == (0 if i < 3 else 16)
+    assert w.prompts[0][:16] != w.prompts[1][:16]
+
+
+def _common_flags(checkpoint, compilation_cache_dir):
+    return ["--model-path", str(checkpoint("tiny-llama")), "--page-size", "16",
+            "--compilation-cache-dir", compilation_cache_dir, "--probe-reps", "1"]
+
+
+def test_bench_offline_throughput_with_hf_baseline(checkpoint, compilation_cache_dir, tmp_path,
+                                                  capsys):
+    out = tmp_path / "offline.json"
+    result = bench_offline_throughput.main(
+        _common_flags(checkpoint, compilation_cache_dir)
+        + ["--num-prompts", "6", "--input-len", "8", "40", "--output-len", "2", "6",
+           "--max-running-requests", "16", "--max-prefill-tokens", "512",
+           "--baseline", "hf", "--json-out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    printed = capsys.readouterr().out
+    assert "ours / HF" in printed and "achieved / floor" in printed
+    assert result["num_prompts"] == 6 and result["compiles_after_warmup"] == 0
+    assert 6 * 2 <= result["output_tokens"] <= 6 * 6
+    assert result["elapsed_s"] > 0
+    assert result["total_throughput"] == pytest.approx(
+        (result["input_tokens"] + result["output_tokens"]) / result["elapsed_s"])
+    flops = result["useful_flops"]
+    assert flops["total"] == pytest.approx(flops["layers"] + flops["attention"] + flops["lm_head"])
+    assert result["useful_flops_without_prefix_reuse"] == flops["total"]  # random: no sharing
+    assert result["matmul_rates"]["layers_flops_per_s"] > 0
+    assert 0 < result["compute_floor_s"] < result["elapsed_s"]
+    assert result["floor_fraction"] == pytest.approx(result["compute_floor_s"]
+                                                     / result["elapsed_s"])
+    hf = result["hf"]
+    assert hf["elapsed_s"] > 0 and hf["batch_size"] == 16
+    assert hf["output_throughput"] == pytest.approx(result["output_tokens"] / hf["elapsed_s"])
+    assert result["speedup_vs_hf"] == pytest.approx(hf["elapsed_s"] / result["elapsed_s"])
+
+
+def test_bench_offline_throughput_shared_prefix(checkpoint, compilation_cache_dir):
+    result = bench_offline_throughput.main(
+        _common_flags(checkpoint, compilation_cache_dir)
+        + ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "2",
+           "--prefix-len", "32", "--suffix-len", "4", "--output-len", "3", "3",
+           "--max-running-requests", "16", "--max-prefill-tokens", "512"])
+    assert result["workload"] == "shared-prefix"
+    assert result["num_prompts"] == 4 and result["input_tokens"] == 4 * 36
+    assert result["output_tokens"] == 4 * 3
+    # The two later prompts of each group need not recompute the 32-token prefix.
+    assert result["useful_flops"]["total"] < result["useful_flops_without_prefix_reuse"]
+    assert result["compute_floor_s"] < result["compute_floor_without_prefix_reuse_s"]
+
+
+@pytest.fixture(scope="module")
+def one_batch_json(checkpoint, compilation_cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_batch") / "one_batch.json"
+    result = bench_one_batch.main(
+        _common_flags(checkpoint, compilation_cache_dir)
+        + ["--batch-sizes", "4", "1", "2", "--input-len", "24", "--output-len", "5",
+           "--max-prefill-tokens", "64", "--json-out", str(out)])
+    return result, out
+
+
+def test_bench_one_batch(one_batch_json):
+    result, out = one_batch_json
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["compiles_after_warmup"] == 0
+    assert [b["batch_size"] for b in result["batches"]] == [1, 2, 4]
+    assert result["skipped_batch_sizes"] == []
+    assert result["memory_bandwidth"]["bytes_per_s"] > 0
+    for b in result["batches"]:
+        assert b["decode_bucket"] >= b["batch_size"]
+        assert b["decode_steps"] == 4  # output 5: one token from the prefill
+        assert b["prefill_steps"] == -(-b["batch_size"] * 24 // 64)
+        assert b["prefill_s"] > 0 and b["step_s"] > 0
+        assert b["decode_tok_s"] == pytest.approx(b["batch_size"] / b["step_s"])
+        split = b["split_step"]
+        parts = (split["host_build_s"] + split["to_device_s"] + split["device_s"]
+                 + split["host_post_s"])
+        assert parts == pytest.approx(split["step_s"], rel=0.2)  # medians of the parts
+        assert 0 < b["host_fraction"] < 1
+        assert b["roofline_s"] == max(b["compute_s"], b["memory_s"])
+        assert b["step_bytes"]["weights"] > 0 and b["step_bytes"]["kv_read"] > 0
+        assert b["matmul_s"] > 0 and b["step_flops"]["total"] > 0
+    # Later batches attend longer contexts only through more requests: KV read grows with B.
+    kv = [b["step_bytes"]["kv_read"] for b in result["batches"]]
+    assert kv == sorted(kv) and kv[0] < kv[-1]
+
+
+def test_plot_one_batch_writes_a_png(one_batch_json, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, out = one_batch_json
+    png = plot_one_batch.main([str(out), "--out", str(tmp_path / "plot.png")])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
