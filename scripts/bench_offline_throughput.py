@@ -169,6 +169,7 @@ def run_engine(engine: Engine, w: Workload, temperature: float) -> dict:
     elapsed = time.perf_counter() - t0
     return {"elapsed_s": elapsed,
             "output_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
+            "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
             "model_steps": engine.scheduler.forward_ct - steps_before}
 
 
@@ -249,6 +250,7 @@ def main(argv=None) -> dict:
         "num_prompts": num_reqs,
         "input_tokens": input_tokens,
         "output_tokens": run["output_tokens"],
+        "cached_tokens": run["cached_tokens"],
         "startup_s": startup_s,
         **throughput(run["elapsed_s"], num_reqs, input_tokens, run["output_tokens"]),
         "output_throughput_per_device": run["output_tokens"] / run["elapsed_s"] / num_devices,
@@ -274,7 +276,9 @@ def main(argv=None) -> dict:
     emit(result, args.json_out)
     rows = [
         ("workload", args.workload), ("requests", num_reqs), ("input tokens", input_tokens),
-        ("output tokens", run["output_tokens"]), ("start-up (s)", startup_s),
+        ("output tokens", run["output_tokens"]),
+        ("prompt tokens from the prefix cache", run["cached_tokens"]),
+        ("start-up (s)", startup_s),
         ("benchmark duration (s)", run["elapsed_s"]),
         ("request throughput (req/s)", result["request_throughput"]),
         ("input throughput (tok/s)", result["input_throughput"]),

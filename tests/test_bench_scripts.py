@@ -95,6 +95,7 @@ def test_bench_offline_throughput_shared_prefix(checkpoint, compilation_cache_di
     # The two later prompts of each group need not recompute the 32-token prefix.
     assert result["useful_flops"]["total"] < result["useful_flops_without_prefix_reuse"]
     assert result["compute_floor_s"] < result["compute_floor_without_prefix_reuse_s"]
+    assert 0 <= result["cached_tokens"] <= 2 * 32  # at most the later prompts' prefixes
 
 
 @pytest.fixture(scope="module")
