@@ -36,6 +36,20 @@ class EngineArgs:
     # chunks of this size.
     max_prefill_tokens: int = 2048
 
+    # Prompt tokens prefilled per step for one request (SGLang's chunked_prefill_size); None
+    # means max_prefill_tokens. Must not exceed max_prefill_tokens.
+    chunked_prefill_size: int | None = None
+    # Let running requests decode inside prefill steps (MIXED batches).
+    enable_mixed_chunk: bool = True
+    # Order of admission: "fcfs" or "lpm" (longest cached prefix first); priorities first.
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    # Scales how many future decode pages admission sets aside for running requests (SGLang's
+    # name): lower admits more and retracts more often; 0 counts only the pages needed now.
+    schedule_conservativeness: float = 1.0
+    # Build and launch step n+1 before reading step n's tokens back.
+    disable_overlap_schedule: bool = False
+
     attention_backend: str = "auto"
     # Run the Pallas kernels in interpret mode (CPU tests). The interpreter compiles small
     # programs as it runs, so it cannot be combined with `disallow_compile_after_warmup`.
@@ -72,6 +86,15 @@ class EngineArgs:
                      "dp_size", "nnodes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.chunked_prefill_size is not None and not (
+                0 < self.chunked_prefill_size <= self.max_prefill_tokens):
+            raise ValueError(f"chunked_prefill_size must be in [1, max_prefill_tokens="
+                             f"{self.max_prefill_tokens}], got {self.chunked_prefill_size}")
+        if not self.schedule_conservativeness >= 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got "
+                             f"{self.schedule_conservativeness}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

@@ -45,7 +45,8 @@ def idle_worker_batch(bucket: Bucket, page_size: int, max_pages_per_req: int) ->
     T, R = bucket.num_tokens, bucket.num_reqs
     zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(R, np.int32)
     return ModelWorkerBatch(
-        bucket=bucket, num_reqs=0, num_tokens=0, input_ids=zeros_t,
+        forward_mode=ForwardMode.IDLE, bucket=bucket, num_reqs=0, num_tokens=0,
+        input_ids=zeros_t, input_token_src=np.full(T, -1, np.int32),
         out_cache_loc=np.full(T, DUMMY_PAGE * page_size, np.int32), req_pool_indices=zeros_r,
         seq_lens=zeros_r, extend_seq_lens=zeros_r, extend_prefix_lens=zeros_r,
         page_table=np.full((R, max_pages_per_req), DUMMY_PAGE, np.int32),

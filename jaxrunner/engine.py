@@ -47,13 +47,20 @@ class Engine:
     def context_len(self) -> int:
         return self.runner.context_len
 
+    @property
+    def max_req_len(self) -> int:
+        """Longest prompt + output one request may reach: the context, or the whole KV cache
+        when that is smaller (so a lone request can always finish)."""
+        return min(self.context_len, self.runner.max_total_tokens)
+
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # ---- requests ----
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None,
-                 return_logprob: bool | list[bool] = False, show_progress: bool = False):
+                 return_logprob: bool | list[bool] = False, priority: int | list[int] = 0,
+                 show_progress: bool = False):
         """Generates for one prompt (a dict back) or a list of prompts (a list of dicts back).
 
         `prompt` is text (or a list of texts), `input_ids` token ids (or a list of lists); give
@@ -65,10 +72,11 @@ class Engine:
         n = len(prompts)
         params = self._per_request(sampling_params, n, "sampling_params", default={})
         logprob_flags = self._per_request(return_logprob, n, "return_logprob", default=False)
+        priorities = self._per_request(priority, n, "priority", default=0)
         reqs = []
-        for i, (ids, p, lp) in enumerate(zip(prompts, params, logprob_flags)):
+        for i, (ids, p, lp, prio) in enumerate(zip(prompts, params, logprob_flags, priorities)):
             try:
-                reqs.append(self._make_req(ids, p, lp))
+                reqs.append(self._make_req(ids, p, lp, prio))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
         for req in reqs:
@@ -81,12 +89,12 @@ class Engine:
         return outputs[0] if single else outputs
 
     def add_request(self, input_ids: list[int], sampling_params=None,
-                    return_logprob: bool = False) -> Req:
+                    return_logprob: bool = False, priority: int = 0) -> Req:
         """Queues one request without running it (the low-level API under `generate`).
 
         Raises ValueError, naming the problem, for a request that cannot be served.
         """
-        req = self._make_req(list(input_ids), sampling_params or {}, return_logprob)
+        req = self._make_req(list(input_ids), sampling_params or {}, return_logprob, priority)
         self.scheduler.add_request(req)
         return req
 
@@ -133,7 +141,7 @@ class Engine:
             return value
         return [value] * n
 
-    def _make_req(self, ids: list[int], params, return_logprob: bool) -> Req:
+    def _make_req(self, ids: list[int], params, return_logprob: bool, priority: int) -> Req:
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("empty prompt")
@@ -141,9 +149,11 @@ class Engine:
             if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
         ids = [int(t) for t in ids]
-        if len(ids) >= self.context_len:
+        if len(ids) >= self.max_req_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length "
-                             f"{self.context_len} (it must leave room for one new token)")
+                             f"{self.max_req_len} (it must leave room for one new token)")
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         elif not isinstance(params, SamplingParams):
@@ -152,14 +162,15 @@ class Engine:
         params = params.normalized()
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         return Req(rid=next(self._rids), origin_input_ids=ids, sampling_params=params, seed=seed,
-                   max_new_tokens=min(params.max_new_tokens, self.context_len - len(ids)),
+                   max_new_tokens=min(params.max_new_tokens, self.max_req_len - len(ids)),
                    eos_token_ids=frozenset(self.model_config.eos_token_ids),
-                   return_logprob=bool(return_logprob))
+                   return_logprob=bool(return_logprob), priority=int(priority))
 
     def output(self, req: Req) -> dict:
         """The result dict of a finished request."""
         meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
-                "completion_tokens": len(req.output_ids), "finish_reason": req.finished_reason}
+                "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
+                "finish_reason": req.finished_reason}
         if req.return_logprob:
             meta["output_token_logprobs"] = [(lp, t, None)
                                              for lp, t in zip(req.output_logprobs, req.output_ids)]
@@ -170,6 +181,22 @@ class Engine:
         return out
 
     # ---- lifecycle ----
+
+    def memory_stats(self) -> dict:
+        """KV pages and request slots. `kv_pages_free` counts cached prefixes no request holds:
+        they are evicted on demand."""
+        runner, tree = self.runner, self.scheduler.tree_cache
+        pool = runner.req_to_token_pool
+        return {"kv_pages_total": runner.allocator.capacity,
+                "kv_pages_free": runner.allocator.num_free + tree.evictable_pages,
+                "kv_pages_cached": tree.total_pages,
+                "req_slots_total": pool.page_table.shape[0],
+                "req_slots_free": pool.num_free_slots,
+                "num_requests_waiting": len(self.scheduler.waiting)}
+
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache; refused (False) while requests are in the engine."""
+        return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
         self.compile_monitor.close()

@@ -11,6 +11,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.sampler import SamplingBatch
@@ -54,20 +55,25 @@ class ForwardBatch:
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch,
-                 capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
-                 ) -> tuple["ForwardBatch", SamplingBatch]:
+                 capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
+                 prev_tokens: jax.Array | None = None) -> tuple["ForwardBatch", SamplingBatch]:
         """Moves `batch` to the device in one transfer and computes positions there.
 
-        Returns the forward batch and the sampling arrays, both on the device.
+        `prev_tokens` (i32[N] on the device) are the previous step's sampled tokens, which
+        `batch.input_token_src` may point into (overlapped scheduling). Returns the forward batch
+        and the sampling arrays, both on the device.
         """
-        arrays = (batch.input_ids, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-                  batch.extend_seq_lens, batch.extend_prefix_lens, batch.page_table,
-                  batch.sampling)
-        (input_ids, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens,
-         extend_prefix_lens, page_table, sampling) = jax.device_put(arrays)
-        positions, extend_start_loc, token_to_req, seq_lens_sum, extend_num_tokens = (
-            compute_positions(extend_prefix_lens, extend_seq_lens, seq_lens,
-                              num_tokens=batch.bucket.num_tokens))
+        arrays = (batch.input_ids, batch.input_token_src, batch.req_pool_indices, batch.seq_lens,
+                  batch.out_cache_loc, batch.extend_seq_lens, batch.extend_prefix_lens,
+                  batch.page_table, batch.sampling)
+        if prev_tokens is None:
+            arrays += (np.zeros(1, np.int32),)
+        (input_ids, input_token_src, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens,
+         extend_prefix_lens, page_table, sampling, *rest) = jax.device_put(arrays)
+        prev_tokens = rest[0] if prev_tokens is None else prev_tokens
+        input_ids, positions, extend_start_loc, token_to_req, seq_lens_sum, extend_num_tokens = (
+            prepare_on_device(input_ids, input_token_src, prev_tokens, extend_prefix_lens,
+                               extend_seq_lens, seq_lens, num_tokens=batch.bucket.num_tokens))
         forward_batch = cls(
             forward_mode=batch.forward_mode, capture_hidden_mode=capture_hidden_mode,
             batch_size=batch.bucket.num_reqs, input_ids=input_ids,
@@ -79,6 +85,16 @@ class ForwardBatch:
 
     def replace(self, **changes) -> "ForwardBatch":
         return dataclasses.replace(self, **changes)
+
+
+@partial(jax.jit, static_argnames="num_tokens")
+def prepare_on_device(input_ids, input_token_src, prev_tokens, extend_prefix_lens,
+                       extend_seq_lens, seq_lens, *, num_tokens: int):
+    """Fills tokens still on the device from the previous step's samples, then positions."""
+    from_prev = prev_tokens[jnp.clip(input_token_src, 0, prev_tokens.shape[0] - 1)]
+    input_ids = jnp.where(input_token_src >= 0, from_prev, input_ids)
+    return (input_ids, *compute_positions(extend_prefix_lens, extend_seq_lens, seq_lens,
+                                          num_tokens=num_tokens))
 
 
 @partial(jax.jit, static_argnames="num_tokens")

@@ -22,7 +22,7 @@ from jaxrunner.buckets import Bucket, all_buckets, sample_batch_sizes
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.dp_attention import stacked_positions
-from jaxrunner.forward_batch import ForwardBatch, compute_positions
+from jaxrunner.forward_batch import ForwardBatch, prepare_on_device
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.memory_pool import (PageAllocator, ReqToTokenPool, TokenToKVPool,
                                    available_kv_memory, kv_bytes_per_token)
@@ -163,11 +163,16 @@ class ModelRunner:
         # DP attention (jaxrunner/dp_attention.py): one step for all ranks, each over its row of
         # a [dp, ...] batch, sampling per rank.
         io_sharding = self.parallel.replicated
-        step, sample_fn = partial(_forward_step, self.graphdef, self.attn_backend), sample
+        # Every sampler returns max_batch_rows tokens, so the next step can read any row of
+        # them on the device (overlapped scheduling) through one compiled shape.
+        self.max_batch_rows = max(b.num_reqs for b in self.buckets)
+        self.no_prev_tokens = jax.device_put(np.zeros(self.max_batch_rows, np.int32), io_sharding)
+        step = partial(_forward_step, self.graphdef, self.attn_backend)
+        sample_fn = partial(_sample_padded, num_rows=self.max_batch_rows)
         if self.parallel.dp_size > 1:
             io_sharding = self.parallel.batch
             step = data_parallel_step(step, self.parallel.mesh)
-            sample_fn = jax.vmap(sample)
+            sample_fn = jax.vmap(sample_fn)
         self._step_fn = jax.jit(step, donate_argnums=(1,),
                                 out_shardings=(io_sharding, self.parallel.kv_cache))
         self._sample_fn = jax.jit(sample_fn, in_shardings=io_sharding,
@@ -198,8 +203,10 @@ class ModelRunner:
         return compiled
 
     def _warm_positions(self, bucket: Bucket) -> None:
-        zeros = jax.device_put(np.zeros((3, bucket.num_reqs), np.int32))
-        compute_positions(zeros[0], zeros[1], zeros[2], num_tokens=bucket.num_tokens)
+        reqs = jax.device_put(np.zeros((3, bucket.num_reqs), np.int32))
+        tokens = jax.device_put(np.zeros((2, bucket.num_tokens), np.int32))
+        prepare_on_device(tokens[0], tokens[1], self.no_prev_tokens, reqs[0], reqs[1], reqs[2],
+                           num_tokens=bucket.num_tokens)
         if self.parallel.dp_size > 1:
             zeros = jax.device_put(np.zeros((self.parallel.dp_size, bucket.num_reqs), np.int32),
                                    self.parallel.batch)
@@ -235,7 +242,9 @@ class ModelRunner:
         if fb.forward_mode.is_decode():
             mode = ForwardMode.DECODE
         elif fb.forward_mode.is_extend():
+            # MIXED and the other ragged modes compute exactly what EXTEND does.
             mode = ForwardMode.EXTEND
+            fb = fb.replace(forward_mode=mode)
         else:
             raise ValueError(f"cannot run forward mode {fb.forward_mode.name}")
         bucket = Bucket(mode, fb.num_tokens, fb.batch_size)
@@ -257,13 +266,20 @@ class ModelRunner:
         return LogitsOutput(np.zeros((0, V), np.float32), np.zeros((0, D), self.dtype))
 
     def sample(self, logits_output: LogitsOutput, sampling: SamplingBatch):
-        """-> (token ids i32[R], logprobs f32[R]) on the device."""
+        """-> (token ids i32[max_batch_rows], logprobs f32[max_batch_rows]) on the device; rows
+        past the batch's are padding."""
         logits = logits_output.next_token_logits
         return self.sample_executables[logits.shape[0]](logits, sampling)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """Logits of captured hidden states (tests and tools; compiles per shape)."""
         return _compute_logits(self.graphdef, self.state, hidden)
+
+
+def _sample_padded(logits, sampling: SamplingBatch, *, num_rows: int):
+    tokens, logprobs = sample(logits, sampling)
+    pad = (0, num_rows - tokens.shape[0])
+    return jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
 
 
 @partial(jax.jit, static_argnums=0)

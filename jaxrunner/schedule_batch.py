@@ -18,7 +18,12 @@ from jaxrunner.sampling_params import SamplingParams
 
 @dataclass(eq=False)
 class Req:
-    """One generation request and its progress."""
+    """One generation request and its progress.
+
+    With overlapped scheduling a request may have one `pending` token: sampled on the device by
+    the step in flight, not yet read back. It counts in `seq_len`, and the next step reads its id
+    on the device.
+    """
 
     rid: int
     origin_input_ids: list[int]
@@ -27,21 +32,30 @@ class Req:
     max_new_tokens: int            # sampling_params.max_new_tokens, capped by the context length
     eos_token_ids: frozenset[int]
     return_logprob: bool = False
+    priority: int = 0              # larger runs sooner
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    pending: int = 0
     req_pool_idx: int | None = None
-    # Tokens whose KV is already in the cache: the prefix the next extend builds on.
+    # Tokens whose KV is in the cache (or being written by the step in flight).
     num_computed_tokens: int = 0
+    # Radix cache: the locked tree node of the matched prefix, and how many of the slot's
+    # leading pages belong to the tree rather than to this request.
+    prefix_node: object = None
+    num_tree_pages: int = 0
+    cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    num_retractions: int = 0
     finished_reason: dict | None = None
     # Set when a stop string ended the request: the text, cut before the stop string.
     stopped_text: str | None = None
 
     @property
     def fill_ids(self) -> list[int]:
+        """Prompt and known output tokens (not the pending one)."""
         return self.origin_input_ids + self.output_ids
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens `start:end` of prompt + output, without concatenating the whole sequence."""
+        """Known tokens `start:end` of prompt + output, without concatenating the sequence."""
         n_in = len(self.origin_input_ids)
         if start >= n_in:
             return self.output_ids[start - n_in:end - n_in]
@@ -49,25 +63,30 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        return len(self.origin_input_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens sampled so far, the pending one included."""
+        return len(self.output_ids) + self.pending
 
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.num_computed_tokens >= len(self.origin_input_ids)
 
 
 @dataclass
 class ModelWorkerBatch:
     """The padded numpy arrays of one step; shapes set by `bucket` (T tokens, R requests)."""
 
+    forward_mode: ForwardMode      # the step's mode; `bucket.mode` is the executable's
     bucket: Bucket
     num_reqs: int                  # real requests; rows >= num_reqs are padding
     num_tokens: int                # real tokens; slots >= num_tokens are padding
     input_ids: np.ndarray          # i32[T]
+    # i32[T]: row of the previous step's sampled tokens that holds this token (-1: input_ids has
+    # it). Overlapped scheduling builds a step before the previous one's tokens are known.
+    input_token_src: np.ndarray
     out_cache_loc: np.ndarray      # i32[T]: KV slot of each token; padding -> the dummy page
     req_pool_indices: np.ndarray   # i32[R]
     seq_lens: np.ndarray           # i32[R]: KV length after this step; padding -> 0
@@ -76,26 +95,25 @@ class ModelWorkerBatch:
     page_table: np.ndarray         # i32[R, max_pages_per_req]
     sampling: SamplingBatch        # numpy leaves, R rows
 
-    @property
-    def forward_mode(self) -> ForwardMode:
-        return self.bucket.mode
-
 
 class ScheduleBatch:
     """The requests of one step and their KV allocation.
 
     `extend_lens[i]` is how many of request i's tokens this step computes: the rest of its prompt
-    (or a chunk of it) in EXTEND, 1 in DECODE.
+    (or a chunk of it) when prefilling, 1 when decoding. `prev_rows` maps a request whose last
+    token is pending to its row in the step in flight.
     """
 
     def __init__(self, reqs: list[Req], forward_mode: ForwardMode, extend_lens: list[int],
-                 req_to_token_pool: ReqToTokenPool, allocator: PageAllocator, page_size: int):
+                 req_to_token_pool: ReqToTokenPool, allocator: PageAllocator, page_size: int,
+                 prev_rows: dict[int, int] | None = None):
         self.reqs = reqs
         self.forward_mode = forward_mode
         self.extend_lens = extend_lens
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
+        self.prev_rows = prev_rows or {}
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +147,7 @@ class ScheduleBatch:
         if num_reqs > R or num_tokens > T:
             raise ValueError(f"{num_reqs} requests / {num_tokens} tokens do not fit {bucket}")
         input_ids = np.zeros(T, np.int32)
+        input_token_src = np.full(T, -1, np.int32)
         out_cache_loc = np.full(T, DUMMY_PAGE * self.page_size, np.int32)
         req_pool_indices = np.zeros(R, np.int32)
         seq_lens = np.zeros(R, np.int32)
@@ -140,7 +159,10 @@ class ScheduleBatch:
         for i, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
             prefix = req.num_computed_tokens
             slot = req.req_pool_idx
-            input_ids[start:start + n] = req.tokens(prefix, prefix + n)
+            known = req.tokens(prefix, prefix + n)
+            input_ids[start:start + len(known)] = known
+            if len(known) < n:  # the last token is still on the device
+                input_token_src[start + n - 1] = self.prev_rows[req.rid]
             token_idx = np.arange(prefix, prefix + n)
             pages = self.req_to_token_pool.page_table[slot]
             out_cache_loc[start:start + n] = (pages[token_idx // self.page_size] * self.page_size
@@ -153,10 +175,11 @@ class ScheduleBatch:
             start += n
 
         sampling = SamplingBatch.from_params(
-            [r.sampling_params for r in self.reqs], steps=[len(r.output_ids) for r in self.reqs],
+            [r.sampling_params for r in self.reqs], steps=[r.num_outputs for r in self.reqs],
             seeds=[r.seed for r in self.reqs], padded_size=R)
         return ModelWorkerBatch(
-            bucket=bucket, num_reqs=num_reqs, num_tokens=num_tokens, input_ids=input_ids,
-            out_cache_loc=out_cache_loc, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+            forward_mode=self.forward_mode, bucket=bucket, num_reqs=num_reqs, num_tokens=num_tokens, input_ids=input_ids,
+            input_token_src=input_token_src, out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens,
             extend_seq_lens=extend_seq_lens, extend_prefix_lens=extend_prefix_lens,
             page_table=page_table, sampling=sampling)

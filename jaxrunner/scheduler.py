@@ -1,47 +1,83 @@
-"""The scheduler: continuous batching over the model runner, FCFS.
+"""The scheduler: continuous batching over the model runner, with a radix prefix cache, chunked
+prefill, MIXED batches, retraction under KV pressure, and overlapped host work.
 
-Each `step()` runs one model step: a prefill (EXTEND) batch when waiting requests fit, otherwise a
-DECODE step over every running request. New requests join between decode steps; a finished
-request gives its pages back at once. Prompts longer than `max_prefill_tokens` are prefilled in
-chunks over several steps.
+Each `step()` launches one model step and returns the requests whose new tokens it learned:
 
-Admission reserves the pages a request may ever need (prompt + max_new_tokens), so a decode step
-can always get its pages: the engine never runs out of KV memory mid-request.
+- Waiting requests are admitted (FCFS or longest-prefix-match, with priorities) into a prefill
+  batch within a token budget; a prompt longer than the chunk size is prefilled a chunk per step.
+  A request reuses the KV pages of its longest cached prefix (radix cache) and computes the rest.
+- Running requests decode one token per step; while a prefill chunk runs they ride along in the
+  same MIXED batch, so long prompts never stall decoding.
+- A decode step that cannot get pages evicts unused cached prefixes, then retracts the newest
+  requests: their KV goes to the prefix cache and they wait to resume from it. Nothing is lost.
+- Overlap: step n+1 is built and launched before step n's tokens are read back; the requests
+  decoding in both read step n's tokens on the device. The host's bookkeeping for step n then
+  runs while the device computes step n+1.
 """
 
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jaxrunner.buckets import pick_bucket
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
 from jaxrunner.model_runner import ModelRunner
+from jaxrunner.radix_cache import RadixCache
 from jaxrunner.schedule_batch import Req, ScheduleBatch
+from jaxrunner.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
+                                       NEW_TOKEN_RATIO_DECAY, PrefillBudget, future_pages,
+                                       order_waiting)
 
 
 def _pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+@dataclass
+class LaunchedBatch:
+    """A step on the device whose tokens the host has not read yet."""
+
+    batch: ScheduleBatch
+    tokens: jax.Array         # i32[max_batch_rows]
+    logprobs: jax.Array       # f32[max_batch_rows]
+    samples: list[bool]       # per row: does this step sample the request's next token
+    rows: dict[int, int]      # rid -> row, for the next step's on-device input tokens
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, decode_text: Callable[[list[int]], str] | None = None):
         """`decode_text` turns token ids into text; needed only for stop strings."""
         self.runner = runner
-        self.args = runner.args
-        self.page_size = runner.args.page_size
+        args = self.args = runner.args
+        self.page_size = args.page_size
         self.decode_text = decode_text
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []      # prefill done, decoding
-        self.prefilling: list[Req] = []   # admitted, prompt partly in the cache (chunked)
+        self.tree_cache = RadixCache(args.page_size, runner.allocator,
+                                     disable=args.disable_radix_cache)
+        self.chunk_size = (args.max_prefill_tokens if args.chunked_prefill_size is None
+                           else args.chunked_prefill_size)
+        self.overlap = not args.disable_overlap_schedule
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []       # prefilled, decoding
+        self.chunked_req: Req | None = None  # admitted, its prompt partly computed
+        self.in_flight: LaunchedBatch | None = None
+        self.init_new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
+        self.min_new_token_ratio = MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness
+        self.new_token_ratio = self.init_new_token_ratio
         self.forward_ct = 0
+        self.num_retractions = 0
+        self._flushed: list[Req] = []      # results read early (before a retraction)
 
-    # ---- bookkeeping ----
+    # ---- requests ----
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        """Requests are waiting or running (a step in flight for finished ones only is not
+        work: its tokens are surplus)."""
+        return bool(self.waiting or self.running or self.chunked_req or (
+            self.in_flight and not all(r.finished for r in self.in_flight.batch.reqs)))
 
     def add_request(self, req: Req) -> None:
         if req.max_new_tokens == 0:
@@ -49,112 +85,250 @@ class Scheduler:
             return
         self.waiting.append(req)
 
-    def _reserved_pages(self, req: Req) -> int:
-        """Pages `req` may still allocate before it finishes."""
-        total = _pages(len(req.origin_input_ids) + req.max_new_tokens, self.page_size)
-        held = 0 if req.req_pool_idx is None else int(self.runner.req_to_token_pool.num_pages[req.req_pool_idx])
-        return total - held
-
     def abort_request(self, req: Req, message: str = "aborted") -> None:
-        """Drops a request wherever it is; its pages go back at once."""
+        """Drops a request wherever it is; its pages go back at once (its KV to the cache)."""
         if req.finished:
             return
-        for queue in (self.waiting, self.running, self.prefilling):
-            if req in queue:
-                queue.remove(req)
-        self._free(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self._release_kv(req)
         req.finished_reason = {"type": "abort", "message": message}
 
-    def _free(self, req: Req) -> None:
-        if req.req_pool_idx is not None:
-            pages = self.runner.req_to_token_pool.free_slot(req.req_pool_idx)
-            self.runner.allocator.free(pages)
-            req.req_pool_idx = None
-
-    # ---- batch building ----
-
-    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
-        budget = self.args.max_prefill_tokens
-        max_reqs = self.args.max_running_requests
-        reqs, lens = [], []
-        # Requests already partly prefilled continue first; their pages are reserved.
-        for req in self.prefilling:
-            if budget == 0:
-                break
-            n = min(len(req.origin_input_ids) - req.num_computed_tokens, budget)
-            reqs.append(req)
-            lens.append(n)
-            budget -= n
-        spare = self.runner.allocator.num_free - sum(
-            self._reserved_pages(r) for r in self.running + self.prefilling)
-        while (self.waiting and budget > 0
-               and len(self.running) + len(self.prefilling) + len(reqs) - len(self.prefilling) < max_reqs):
-            req = self.waiting[0]
-            need = self._reserved_pages(req)
-            if need > spare:
-                break  # FCFS: the head waits for pages rather than being overtaken
-            self.waiting.popleft()
-            spare -= need
-            n = min(len(req.origin_input_ids), budget)
-            reqs.append(req)
-            lens.append(n)
-            budget -= n
-            if n < len(req.origin_input_ids):
-                self.prefilling.append(req)
-        if not reqs:
-            return None
-        return self._schedule_batch(reqs, ForwardMode.EXTEND, lens)
-
-    def _schedule_batch(self, reqs, mode, lens) -> ScheduleBatch:
-        batch = ScheduleBatch(reqs, mode, lens, self.runner.req_to_token_pool,
-                              self.runner.allocator, self.page_size)
-        if not batch.alloc_kv():
-            raise RuntimeError("KV allocation failed despite reservation (scheduler bug)")
-        return batch
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache; only when no request is in the system (else False)."""
+        if self.has_work:
+            return False
+        if self.in_flight is not None:
+            self._process(self.in_flight)
+            self.in_flight = None
+        self.tree_cache.reset()
+        return True
 
     # ---- one step ----
 
     def step(self) -> list[Req]:
-        """Runs one model step; returns the requests that got a new token in it (finished ones
-        included: `req.finished`)."""
-        batch = self._get_new_batch_prefill()
-        if batch is None:
-            if not self.running:
-                return []
-            batch = self._schedule_batch(list(self.running), ForwardMode.DECODE,
-                                         [1] * len(self.running))
-        tokens, logprobs = self._run_batch(batch)
-        return self._process_batch_result(batch, tokens, logprobs)
+        """Launches one model step; returns the requests that got new tokens (finished ones
+        included: `req.finished`). With overlap, a step's tokens are returned by the next call."""
+        batch = self._get_next_batch()
+        launched = self._launch(batch) if batch is not None else None
+        updated, self._flushed = self._flushed, []
+        if self.overlap:
+            if self.in_flight is not None:
+                updated += self._process(self.in_flight)
+            self.in_flight = launched
+        elif launched is not None:
+            updated += self._process(launched)
+        return updated
 
-    def _run_batch(self, batch: ScheduleBatch) -> tuple[np.ndarray, np.ndarray]:
-        bucket = pick_bucket(self.runner.buckets, batch.forward_mode, batch.num_tokens,
-                             len(batch.reqs))
+    def _get_next_batch(self) -> ScheduleBatch | None:
+        mixed = self.args.enable_mixed_chunk
+        decoding = self._decodable()
+        if decoding and mixed:
+            decoding = self._ensure_decode_pages(decoding)
+        prefill = self._admit_prefill(decoding if mixed else [])
+        if prefill is not None:
+            reqs, lens = prefill
+            if mixed and decoding:
+                return self._schedule(reqs + decoding, ForwardMode.MIXED,
+                                      lens + [1] * len(decoding))
+            return self._schedule(reqs, ForwardMode.EXTEND, lens)
+        if decoding and not mixed:
+            decoding = self._ensure_decode_pages(decoding)
+        if not decoding:
+            return None
+        self.new_token_ratio = max(self.min_new_token_ratio,
+                                   self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return self._schedule(decoding, ForwardMode.DECODE, [1] * len(decoding))
+
+    def _decodable(self) -> list[Req]:
+        """Running requests that need another step (not those whose last sampled token, still
+        on the device, already reaches max_new_tokens)."""
+        return [r for r in self.running if r.num_outputs < r.max_new_tokens]
+
+    # ---- prefill admission ----
+
+    def _admit_prefill(self, decoding: list[Req]) -> tuple[list[Req], list[int]] | None:
+        """Prefill chunks for this step: the chunked request's next chunk, then waiting requests
+        in policy order while tokens, request slots and pages last. `decoding` are the running
+        requests riding along (MIXED); their tokens and new pages come off the budget first."""
+        args = self.args
+        reserved = sum(future_pages(r, self.page_size, self.new_token_ratio) for r in self.running)
+        budget = PrefillBudget(
+            tokens=args.max_prefill_tokens - len(decoding),
+            reqs=args.max_running_requests - len(self.running) - (self.chunked_req is not None),
+            pages=(self.runner.allocator.num_free + self.tree_cache.evictable_pages - reserved
+                   - self._decode_pages(decoding)))
+        reqs, lens = [], []
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            n = min(req.seq_len - req.num_computed_tokens, self.chunk_size, budget.tokens)
+            held = int(self.runner.req_to_token_pool.num_pages[req.req_pool_idx])
+            pages = _pages(req.num_computed_tokens + n, self.page_size) - held
+            available = (self.runner.allocator.num_free + self.tree_cache.evictable_pages
+                         - self._decode_pages(decoding))
+            if n <= 0 or pages > available:
+                return None  # decoding requests must finish (or be retracted) first
+            reqs.append(req)
+            lens.append(n)
+            budget.tokens -= n
+            budget.pages -= pages
+        for req in order_waiting(self.waiting, args.schedule_policy, self.tree_cache):
+            if self.chunked_req is not None or budget.tokens <= 0 or budget.reqs <= 0:
+                break
+            match = self.tree_cache.match_prefix(req.fill_ids, max_tokens=req.seq_len - 1)
+            remaining = req.seq_len - match.num_tokens
+            n = min(remaining, self.chunk_size, budget.tokens)
+            if n < remaining and reqs and self.chunk_size >= remaining:
+                break  # would fit unchunked in a later step: don't split it needlessly
+            pages = (_pages(match.num_tokens + n, self.page_size) - len(match.pages)
+                     + future_pages(req, self.page_size, self.new_token_ratio))
+            # Locking the matched prefix takes its pages out of the evictable ones.
+            evictable = self.tree_cache.evictable_pages
+            self.tree_cache.inc_lock_ref(match.node)
+            pages += evictable - self.tree_cache.evictable_pages
+            if not budget.fits(n, pages):
+                self.tree_cache.dec_lock_ref(match.node)
+                break  # the head of the queue waits rather than being overtaken
+            budget.take(n, pages)
+            self._take_prefix(req, match)
+            self.waiting.remove(req)
+            reqs.append(req)
+            lens.append(n)
+            if n < remaining:
+                self.chunked_req = req
+        return (reqs, lens) if reqs else None
+
+    def _take_prefix(self, req: Req, match) -> None:
+        """Gives `req` a slot whose first pages are the matched (and locked) prefix."""
+        req.req_pool_idx = self.runner.req_to_token_pool.alloc_slot()
+        self.runner.req_to_token_pool.append_pages(req.req_pool_idx, match.pages)
+        req.prefix_node = match.node
+        req.num_tree_pages = len(match.pages)
+        req.num_computed_tokens = match.num_tokens
+        if req.num_retractions == 0:
+            req.cached_tokens = match.num_tokens
+
+    # ---- decode pages, eviction, retraction ----
+
+    def _ensure_decode_pages(self, decoding: list[Req]) -> list[Req]:
+        """Makes room for one more token per request: evict cached prefixes, then retract the
+        newest requests until the rest fit."""
+        need = self._decode_pages(decoding)
+        if need <= self._free_after_eviction(need):
+            return decoding
+        # Retraction changes the running set: first learn what the step in flight produced.
+        if self.in_flight is not None:
+            self._flushed += self._process(self.in_flight)
+            self.in_flight = None
+        decoding = self._decodable()
+        while decoding and self._decode_pages(decoding) > self._free_after_eviction(
+                self._decode_pages(decoding)):
+            newest = max(decoding, key=lambda r: r.rid)
+            self._retract(newest)
+            decoding.remove(newest)
+        self.new_token_ratio = self.init_new_token_ratio
+        return decoding
+
+    def _decode_pages(self, reqs: list[Req]) -> int:
+        """Pages a decode step over `reqs` adds: one per request whose next token starts one."""
+        held = self.runner.req_to_token_pool.num_pages
+        return sum(1 for r in reqs if r.num_computed_tokens // self.page_size >= held[r.req_pool_idx])
+
+    def _free_after_eviction(self, need: int) -> int:
+        free = self.runner.allocator.num_free
+        if need > free:
+            self.tree_cache.evict(need - free)
+        return self.runner.allocator.num_free
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release_kv(req)
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.append(req)  # its old rid puts it first in FCFS order
+
+    def _release_kv(self, req: Req) -> None:
+        """Returns a request's KV: whole pages of known tokens go to the prefix cache, the rest
+        to the allocator; its lock on the matched prefix is dropped."""
+        if req.req_pool_idx is None:
+            return
+        pool, ps = self.runner.req_to_token_pool, self.page_size
+        pages = pool.pages(req.req_pool_idx).tolist()
+        known = req.fill_ids
+        whole = min(req.num_computed_tokens, len(known)) // ps
+        if self.tree_cache.disable:
+            self.runner.allocator.free(pages)
+        else:
+            cached = self.tree_cache.insert(known[:whole * ps], pages[:whole]) // ps
+            # The tree had pages [:cached] already (ours for [num_tree_pages:cached] are
+            # duplicates) and now keeps [cached:whole]; a partial last page is ours to free.
+            self.runner.allocator.free(pages[req.num_tree_pages:cached] + pages[whole:])
+        if req.prefix_node is not None:
+            self.tree_cache.dec_lock_ref(req.prefix_node)
+        pool.free_slot(req.req_pool_idx)
+        req.req_pool_idx = req.prefix_node = None
+        req.num_tree_pages = req.num_computed_tokens = 0
+
+    # ---- launching and reading back ----
+
+    def _schedule(self, reqs: list[Req], mode: ForwardMode, lens: list[int]) -> ScheduleBatch:
+        prev_rows = self.in_flight.rows if self.in_flight is not None else {}
+        batch = ScheduleBatch(reqs, mode, lens, self.runner.req_to_token_pool,
+                              self.runner.allocator, self.page_size, prev_rows)
+        need = batch.pages_needed()
+        self._free_after_eviction(need)
+        if not batch.alloc_kv():
+            raise RuntimeError(f"KV allocation of {need} pages failed after admission "
+                               f"(free {self.runner.allocator.num_free}): scheduler bug")
+        return batch
+
+    def _launch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        runner = self.runner
+        exec_mode = ForwardMode.DECODE if batch.forward_mode.is_decode() else ForwardMode.EXTEND
+        bucket = pick_bucket(runner.buckets, exec_mode, batch.num_tokens, len(batch.reqs))
         worker_batch = batch.get_model_worker_batch(bucket)
-        forward_batch, sampling = ForwardBatch.init_new(worker_batch)
-        logits_output = self.runner.forward(forward_batch)
-        tokens, logprobs = self.runner.sample(logits_output, sampling)
+        prev_tokens = self.in_flight.tokens if self.in_flight is not None else runner.no_prev_tokens
+        forward_batch, sampling = ForwardBatch.init_new(worker_batch, prev_tokens=prev_tokens)
+        logits_output = runner.forward(forward_batch)
+        tokens, logprobs = runner.sample(logits_output, sampling)
         self.forward_ct += 1
-        return np.asarray(tokens), np.asarray(logprobs)
-
-    def _process_batch_result(self, batch: ScheduleBatch, tokens, logprobs) -> list[Req]:
-        advanced = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+        samples = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
             req.num_computed_tokens += n
-            if not req.prefill_done:
-                continue  # a prompt chunk: its sampled token is not an output
-            if batch.forward_mode == ForwardMode.EXTEND:
-                if req in self.prefilling:
-                    self.prefilling.remove(req)
-                self.running.append(req)
+            sampled = req.num_computed_tokens == req.seq_len
+            samples.append(sampled)
+            if sampled:
+                req.pending += 1
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                if req not in self.running:
+                    self.running.append(req)
+        return LaunchedBatch(batch, tokens, logprobs, samples,
+                             {r.rid: i for i, r in enumerate(batch.reqs)})
+
+    def _process(self, launched: LaunchedBatch) -> list[Req]:
+        tokens = np.asarray(launched.tokens)
+        logprobs = np.asarray(launched.logprobs)
+        updated = []
+        for i, req in enumerate(launched.batch.reqs):
+            if not launched.samples[i]:
+                continue
+            req.pending -= 1
+            if req.finished:
+                continue  # aborted, or finished by the step before (this token is surplus)
             req.output_ids.append(int(tokens[i]))
             if req.return_logprob:
                 req.output_logprobs.append(float(logprobs[i]))
             self._check_finished(req)
             if req.finished:
-                self._free(req)
                 self.running.remove(req)
-            advanced.append(req)
-        return advanced
+                self._release_kv(req)
+            updated.append(req)
+        return updated
 
     def _check_finished(self, req: Req) -> None:
         token = req.output_ids[-1]
@@ -175,13 +349,13 @@ class Scheduler:
         # one character, or a partial one that the next token completes).
         longest = max(len(s) for s in req.sampling_params.stop)
         tail = self.decode_text(req.output_ids[-(longest + 2):])
-        hits = [s for s in req.sampling_params.stop if s in tail]
-        if not hits:
+        if not any(s in tail for s in req.sampling_params.stop):
             return False
         text = self.decode_text(req.output_ids)
-        cut = min((text.find(s), s) for s in hits if s in text) if any(s in text for s in hits) else None
-        if cut is None:
+        hits = [(text.find(s), s) for s in req.sampling_params.stop if s in text]
+        if not hits:
             return False
-        req.stopped_text = text[:cut[0]]
-        req.finished_reason = {"type": "stop", "matched": cut[1]}
+        cut, stop = min(hits)
+        req.stopped_text = text[:cut]
+        req.finished_reason = {"type": "stop", "matched": stop}
         return True

@@ -12,7 +12,8 @@ def _worker_batch(mode, prefix_lens, new_lens, T, R, pages=4):
     n = len(new_lens)
     pad = lambda xs: np.array(list(xs) + [0] * (R - n), np.int32)  # noqa: E731
     return ModelWorkerBatch(
-        bucket=Bucket(mode, T, R), num_reqs=n, num_tokens=sum(new_lens),
+        forward_mode=mode, bucket=Bucket(mode, T, R),
+        input_token_src=np.full(T, -1, np.int32), num_reqs=n, num_tokens=sum(new_lens),
         input_ids=np.arange(T, dtype=np.int32), out_cache_loc=np.zeros(T, np.int32),
         req_pool_indices=pad(range(n)), seq_lens=pad(p + q for p, q in zip(prefix_lens, new_lens)),
         extend_seq_lens=pad(new_lens), extend_prefix_lens=pad(prefix_lens),
@@ -49,3 +50,12 @@ def test_forward_batch_is_a_pytree_with_static_mode():
     decode_fb, _ = ForwardBatch.init_new(_worker_batch(ForwardMode.DECODE, [2], [1], T=1, R=1))
     assert jax.tree.structure(decode_fb) != jax.tree.structure(
         ForwardBatch.init_new(_worker_batch(ForwardMode.EXTEND, [2], [1], T=1, R=1))[0])
+
+
+def test_tokens_still_on_the_device_come_from_the_previous_steps_samples():
+    wb = _worker_batch(ForwardMode.DECODE, [4, 9], [1, 1], T=2, R=2)
+    wb.input_ids[:] = [11, 0]
+    wb.input_token_src[:] = [-1, 3]  # request 1's token is row 3 of the previous step
+    prev_tokens = jax.device_put(np.array([5, 6, 7, 8], np.int32))
+    fb, _ = ForwardBatch.init_new(wb, prev_tokens=prev_tokens)
+    assert fb.input_ids.tolist() == [11, 8]

@@ -38,9 +38,10 @@ def _prefill_logits(engine, prompts):
                           runner.req_to_token_pool, runner.allocator, runner.args.page_size)
     assert batch.alloc_kv()
     bucket = pick_bucket(runner.buckets, ForwardMode.EXTEND, batch.num_tokens, len(reqs))
-    fb, _ = ForwardBatch.init_new(batch.get_model_worker_batch(bucket), CaptureHiddenMode.FULL)
     runner.compile_monitor.allow()  # hidden-state capture compiles on first use
     try:
+        fb, _ = ForwardBatch.init_new(batch.get_model_worker_batch(bucket), CaptureHiddenMode.FULL,
+                                      prev_tokens=runner.no_prev_tokens)
         out = runner.forward(fb)
         logits = np.asarray(runner.compute_logits(out.hidden_states))
     finally:
@@ -79,4 +80,5 @@ def test_greedy_tokens_match_hf_generate(models):
         # HF stops at EOS too: the finish reason must agree with the length.
         if len(want) < 32:
             assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert engine.flush_cache()
     assert engine.runner.allocator.num_free == engine.runner.allocator.capacity

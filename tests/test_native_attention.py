@@ -60,7 +60,8 @@ def make_batch(rng, prefix_lens, new_lens, cfg, num_pages, T, R, max_pages):
     pad = lambda xs: np.array(list(xs) + [0] * (R - len(prefix_lens)), np.int32)  # noqa: E731
     mode = ForwardMode.DECODE if all(n == 1 for n in new_lens) and T == R else ForwardMode.EXTEND
     wb = ModelWorkerBatch(
-        bucket=Bucket(mode, T, R), num_reqs=len(new_lens), num_tokens=num_tokens,
+        forward_mode=mode, bucket=Bucket(mode, T, R),
+        input_token_src=np.full(T, -1, np.int32), num_reqs=len(new_lens), num_tokens=num_tokens,
         input_ids=np.zeros(T, np.int32),
         out_cache_loc=np.array(slots + [0] * (T - num_tokens), np.int32),
         req_pool_indices=pad(range(len(new_lens))),

@@ -73,7 +73,7 @@ def dp_generate(engine, prompts, params) -> list[list[int]]:
     runner = engine.runner
     step = DataParallelStep(runner)
     dp, page_size = step.dp_size, runner.args.page_size
-    reqs = [engine._make_req(list(p), dict(params), False) for p in prompts]
+    reqs = [engine._make_req(list(p), dict(params), False, 0) for p in prompts]
     waiting = [[req for i, req in enumerate(reqs) if i % dp == r] for r in range(dp)]
     running = [[] for _ in range(dp)]
     step_no = 0
