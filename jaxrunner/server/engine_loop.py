@@ -245,18 +245,14 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_apply, out)
 
     def _publish_stats(self) -> None:
-        runner, scheduler = self.engine.runner, self.engine.scheduler
-        allocator = runner.allocator
-        free, capacity = allocator.num_free, allocator.capacity
-        waiting = len(scheduler.waiting)
+        stats = self.engine.memory_stats()
+        waiting = stats.pop("num_requests_waiting")
+        free, capacity = stats["kv_pages_free"], stats["kv_pages_total"]
         self.stats = {
             "num_requests_running": len(self._tracks) - waiting,
             "num_requests_waiting": waiting,
-            "kv_pages_total": capacity,
-            "kv_pages_free": free,
             "kv_cache_usage": 1.0 - free / capacity if capacity else 0.0,
-            "req_slots_free": runner.req_to_token_pool.num_free_slots,
-            "req_slots_total": runner.req_to_token_pool.page_table.shape[0],
+            **stats,
         }
 
 

@@ -37,7 +37,8 @@ class ServerMetrics:
             "num_requests_running": "Requests decoding or prefilling",
             "num_requests_waiting": "Requests queued for admission",
             "kv_cache_usage": "Fraction of KV pages in use",
-            "kv_pages_free": "Free KV pages",
+            "kv_pages_free": "KV pages no request holds (free or evictable prefix cache)",
+            "kv_pages_cached": "KV pages in the prefix cache",
         }
         for name, doc in gauges.items():
             Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(

@@ -5,7 +5,6 @@ import asyncio
 import dataclasses
 import time
 
-import numpy as np
 import pytest
 
 from jaxrunner.server.engine_loop import EngineError, EngineLoop, RequestSpec
@@ -31,11 +30,10 @@ class FakeEngine:
 
     def __init__(self, fail_at=None):
         self.reqs, self.steps, self.fail_at = [], 0, fail_at
-        self.runner = type("R", (), {})()
-        self.runner.allocator = type("A", (), {"num_free": 10, "capacity": 10})()
-        self.runner.req_to_token_pool = type("P", (), {"num_free_slots": 4})()
-        self.runner.req_to_token_pool.page_table = np.zeros((4, 1))
-        self.scheduler = type("S", (), {"waiting": []})()
+
+    def memory_stats(self):
+        return {"kv_pages_total": 10, "kv_pages_free": 10, "kv_pages_cached": 0,
+                "req_slots_total": 4, "req_slots_free": 4, "num_requests_waiting": 0}
 
     def add_request(self, input_ids, params, return_logprob):
         if params.get("bad"):
