@@ -24,6 +24,7 @@ import numpy as np
 from jaxrunner.buckets import pick_bucket
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
+from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_runner import ModelRunner
 from jaxrunner.radix_cache import RadixCache
 from jaxrunner.schedule_batch import Req, ScheduleBatch
@@ -48,17 +49,26 @@ class LaunchedBatch:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, decode_text: Callable[[list[int]], str] | None = None):
-        """`decode_text` turns token ids into text; needed only for stop strings."""
+    def __init__(self, runner: ModelRunner, decode_text: Callable[[list[int]], str] | None = None,
+                 *, allocator: PageAllocator | None = None,
+                 req_to_token_pool: ReqToTokenPool | None = None, overlap: bool | None = None):
+        """`decode_text` turns token ids into text; needed only for stop strings.
+
+        `allocator` and `req_to_token_pool` default to the runner's; a DP attention rank passes
+        its own (`runner.dp_allocators[r]`, `runner.dp_req_to_token_pools[r]`). `overlap`
+        defaults to `not args.disable_overlap_schedule`."""
         self.runner = runner
         args = self.args = runner.args
         self.page_size = args.page_size
         self.decode_text = decode_text
-        self.tree_cache = RadixCache(args.page_size, runner.allocator,
+        self.allocator = runner.allocator if allocator is None else allocator
+        self.req_to_token_pool = (runner.req_to_token_pool if req_to_token_pool is None
+                                  else req_to_token_pool)
+        self.tree_cache = RadixCache(args.page_size, self.allocator,
                                      disable=args.disable_radix_cache)
         self.chunk_size = (args.max_prefill_tokens if args.chunked_prefill_size is None
                            else args.chunked_prefill_size)
-        self.overlap = not args.disable_overlap_schedule
+        self.overlap = not args.disable_overlap_schedule if overlap is None else overlap
         self.waiting: list[Req] = []
         self.running: list[Req] = []       # prefilled, decoding
         self.chunked_req: Req | None = None  # admitted, its prompt partly computed
@@ -160,15 +170,15 @@ class Scheduler:
         budget = PrefillBudget(
             tokens=args.max_prefill_tokens - len(decoding),
             reqs=args.max_running_requests - len(self.running) - (self.chunked_req is not None),
-            pages=(self.runner.allocator.num_free + self.tree_cache.evictable_pages - reserved
+            pages=(self.allocator.num_free + self.tree_cache.evictable_pages - reserved
                    - self._decode_pages(decoding)))
         reqs, lens = [], []
         if self.chunked_req is not None:
             req = self.chunked_req
             n = min(req.seq_len - req.num_computed_tokens, self.chunk_size, budget.tokens)
-            held = int(self.runner.req_to_token_pool.num_pages[req.req_pool_idx])
+            held = int(self.req_to_token_pool.num_pages[req.req_pool_idx])
             pages = _pages(req.num_computed_tokens + n, self.page_size) - held
-            available = (self.runner.allocator.num_free + self.tree_cache.evictable_pages
+            available = (self.allocator.num_free + self.tree_cache.evictable_pages
                          - self._decode_pages(decoding))
             if n <= 0 or pages > available:
                 return None  # decoding requests must finish (or be retracted) first
@@ -204,8 +214,8 @@ class Scheduler:
 
     def _take_prefix(self, req: Req, match) -> None:
         """Gives `req` a slot whose first pages are the matched (and locked) prefix."""
-        req.req_pool_idx = self.runner.req_to_token_pool.alloc_slot()
-        self.runner.req_to_token_pool.append_pages(req.req_pool_idx, match.pages)
+        req.req_pool_idx = self.req_to_token_pool.alloc_slot()
+        self.req_to_token_pool.append_pages(req.req_pool_idx, match.pages)
         req.prefix_node = match.node
         req.num_tree_pages = len(match.pages)
         req.num_computed_tokens = match.num_tokens
@@ -235,14 +245,14 @@ class Scheduler:
 
     def _decode_pages(self, reqs: list[Req]) -> int:
         """Pages a decode step over `reqs` adds: one per request whose next token starts one."""
-        held = self.runner.req_to_token_pool.num_pages
+        held = self.req_to_token_pool.num_pages
         return sum(1 for r in reqs if r.num_computed_tokens // self.page_size >= held[r.req_pool_idx])
 
     def _free_after_eviction(self, need: int) -> int:
-        free = self.runner.allocator.num_free
+        free = self.allocator.num_free
         if need > free:
             self.tree_cache.evict(need - free)
-        return self.runner.allocator.num_free
+        return self.allocator.num_free
 
     def _retract(self, req: Req) -> None:
         self.running.remove(req)
@@ -256,17 +266,17 @@ class Scheduler:
         to the allocator; its lock on the matched prefix is dropped."""
         if req.req_pool_idx is None:
             return
-        pool, ps = self.runner.req_to_token_pool, self.page_size
+        pool, ps = self.req_to_token_pool, self.page_size
         pages = pool.pages(req.req_pool_idx).tolist()
         known = req.fill_ids
         whole = min(req.num_computed_tokens, len(known)) // ps
         if self.tree_cache.disable:
-            self.runner.allocator.free(pages)
+            self.allocator.free(pages)
         else:
             cached = self.tree_cache.insert(known[:whole * ps], pages[:whole]) // ps
             # The tree had pages [:cached] already (ours for [num_tree_pages:cached] are
             # duplicates) and now keeps [cached:whole]; a partial last page is ours to free.
-            self.runner.allocator.free(pages[req.num_tree_pages:cached] + pages[whole:])
+            self.allocator.free(pages[req.num_tree_pages:cached] + pages[whole:])
         if req.prefix_node is not None:
             self.tree_cache.dec_lock_ref(req.prefix_node)
         pool.free_slot(req.req_pool_idx)
@@ -277,16 +287,20 @@ class Scheduler:
 
     def _schedule(self, reqs: list[Req], mode: ForwardMode, lens: list[int]) -> ScheduleBatch:
         prev_rows = self.in_flight.rows if self.in_flight is not None else {}
-        batch = ScheduleBatch(reqs, mode, lens, self.runner.req_to_token_pool,
-                              self.runner.allocator, self.page_size, prev_rows)
+        batch = ScheduleBatch(reqs, mode, lens, self.req_to_token_pool,
+                              self.allocator, self.page_size, prev_rows)
         need = batch.pages_needed()
         self._free_after_eviction(need)
         if not batch.alloc_kv():
             raise RuntimeError(f"KV allocation of {need} pages failed after admission "
-                               f"(free {self.runner.allocator.num_free}): scheduler bug")
+                               f"(free {self.allocator.num_free}): scheduler bug")
         return batch
 
     def _launch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        return self._record_launch(batch, *self._run_batch(batch))
+
+    def _run_batch(self, batch: ScheduleBatch) -> tuple[jax.Array, jax.Array]:
+        """Launches the device step of `batch`: its sampled (tokens, logprobs), not read back."""
         runner = self.runner
         exec_mode = ForwardMode.DECODE if batch.forward_mode.is_decode() else ForwardMode.EXTEND
         bucket = pick_bucket(runner.buckets, exec_mode, batch.num_tokens, len(batch.reqs))
@@ -294,7 +308,11 @@ class Scheduler:
         prev_tokens = self.in_flight.tokens if self.in_flight is not None else runner.no_prev_tokens
         forward_batch, sampling = ForwardBatch.init_new(worker_batch, prev_tokens=prev_tokens)
         logits_output = runner.forward(forward_batch)
-        tokens, logprobs = runner.sample(logits_output, sampling)
+        return runner.sample(logits_output, sampling)
+
+    def _record_launch(self, batch: ScheduleBatch, tokens, logprobs) -> LaunchedBatch:
+        """Books a launched step: the requests' computed tokens and pending samples. `tokens`
+        and `logprobs` (row i: request i) may be device arrays or, under DP, numpy."""
         self.forward_ct += 1
         samples = []
         for req, n in zip(batch.reqs, batch.extend_lens):
