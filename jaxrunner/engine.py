@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
+from jaxrunner.dp_scheduler import DataParallelScheduler
 from jaxrunner.model_runner import ModelRunner
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.schedule_batch import Req
@@ -39,7 +40,13 @@ class Engine:
         self.runner = ModelRunner(self.args, self.model_config, self.compile_monitor)
         if self.args.disallow_compile_after_warmup:
             self.compile_monitor.forbid()
-        self.scheduler = Scheduler(self.runner, self._decode if self.tokenizer else None)
+        decode_text = self._decode if self.tokenizer else None
+        if self.args.dp_size > 1:
+            self.scheduler = DataParallelScheduler(self.runner, decode_text)
+            self._rank_schedulers = self.scheduler.ranks
+        else:
+            self.scheduler = Scheduler(self.runner, decode_text)
+            self._rank_schedulers = [self.scheduler]
         self._rids = itertools.count()
         self._seeds = random.Random(self.args.random_seed)
 
@@ -183,15 +190,15 @@ class Engine:
     # ---- lifecycle ----
 
     def memory_stats(self) -> dict:
-        """KV pages and request slots. `kv_pages_free` counts cached prefixes no request holds:
-        they are evicted on demand."""
-        runner, tree = self.runner, self.scheduler.tree_cache
-        pool = runner.req_to_token_pool
-        return {"kv_pages_total": runner.allocator.capacity,
-                "kv_pages_free": runner.allocator.num_free + tree.evictable_pages,
-                "kv_pages_cached": tree.total_pages,
-                "req_slots_total": pool.page_table.shape[0],
-                "req_slots_free": pool.num_free_slots,
+        """KV pages and request slots, summed over DP ranks. `kv_pages_free` counts cached
+        prefixes no request holds: they are evicted on demand."""
+        ranks = self._rank_schedulers
+        return {"kv_pages_total": sum(s.allocator.capacity for s in ranks),
+                "kv_pages_free": sum(s.allocator.num_free + s.tree_cache.evictable_pages
+                                     for s in ranks),
+                "kv_pages_cached": sum(s.tree_cache.total_pages for s in ranks),
+                "req_slots_total": sum(s.req_to_token_pool.page_table.shape[0] for s in ranks),
+                "req_slots_free": sum(s.req_to_token_pool.num_free_slots for s in ranks),
                 "num_requests_waiting": len(self.scheduler.waiting)}
 
     def flush_cache(self) -> bool:
@@ -202,6 +209,7 @@ class Engine:
         self.compile_monitor.close()
         self.runner = None
         self.scheduler = None
+        self._rank_schedulers = []
 
     def __enter__(self):
         return self
