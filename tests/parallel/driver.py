@@ -45,67 +45,36 @@ def main(spec: dict) -> dict:
                                      compiles_after_warmup=compiles,
                                      process_count=jax.process_count(),
                                      jax_devices=jax.device_count())]}
+        extra = {}
         if kwargs.get("dp_size", 1) > 1:
-            output_ids = dp_generate(engine, spec["prompts"], params)
-            outs = [{"output_ids": ids} for ids in output_ids]
+            # The first prompt alone (rank 1 idles while rank 0 works), then the rest.
+            prompts = spec["prompts"]
+            outs = (engine.generate(input_ids=prompts[:1], sampling_params=params)
+                    + engine.generate(input_ids=prompts[1:], sampling_params=params))
+            extra = dp_report(engine)
         else:
             outs = engine.generate(input_ids=spec["prompts"], sampling_params=params)
         results.append(dict(run, output_ids=[o["output_ids"] for o in outs],
                             compiles_after_warmup=engine.compile_monitor.count - warm,
                             num_devices=engine.runner.parallel.num_devices,
                             kv_cache_shape=list(engine.runner.token_to_kv_pool.shape),
-                            jax_devices=jax.device_count()))
+                            jax_devices=jax.device_count(), **extra))
         if spec.get("decode_hlo"):
             results[-1]["decode_hlo"] = decode_hlo_summary(engine)
         engine.shutdown()
     return {"results": results}
 
 
-def dp_generate(engine, prompts, params) -> list[list[int]]:
-    """Greedy generation over DP attention ranks, with a minimal scheduler per rank: prompt i
-    goes to rank i % dp; a rank prefills all it has waiting, else decodes what it runs. Rank 1's
-    requests arrive one step late, so rank 1 starts IDLE and then extends while rank 0 decodes;
-    the rank that finishes first idles while the other decodes."""
-    from jaxrunner.dp_attention import DataParallelStep  # noqa: PLC0415
-    from jaxrunner.forward_mode import ForwardMode  # noqa: PLC0415
-    from jaxrunner.schedule_batch import ScheduleBatch  # noqa: PLC0415
-
-    runner = engine.runner
-    step = DataParallelStep(runner)
-    dp, page_size = step.dp_size, runner.args.page_size
-    reqs = [engine._make_req(list(p), dict(params), False, 0) for p in prompts]
-    waiting = [[req for i, req in enumerate(reqs) if i % dp == r] for r in range(dp)]
-    running = [[] for _ in range(dp)]
-    step_no = 0
-    while not all(r.finished for r in reqs):
-        batches = []
-        for r in range(dp):
-            pool, alloc = runner.dp_req_to_token_pools[r], runner.dp_allocators[r]
-            if waiting[r] and (r == 0 or step_no > 0):
-                lens = [len(q.origin_input_ids) for q in waiting[r]]
-                batch = ScheduleBatch(waiting[r], ForwardMode.EXTEND, lens, pool, alloc, page_size)
-                running[r] += waiting[r]
-                waiting[r] = []
-            elif running[r]:
-                batch = ScheduleBatch(list(running[r]), ForwardMode.DECODE, [1] * len(running[r]),
-                                      pool, alloc, page_size)
-            else:
-                batches.append(None)
-                continue
-            assert batch.alloc_kv()
-            batches.append(batch)
-        for r, (batch, (tokens, _)) in enumerate(zip(batches, step.run(batches))):
-            for req, n, token in zip(batch.reqs if batch else [], batch.extend_lens if batch else [],
-                                     tokens):
-                req.num_computed_tokens += n
-                req.output_ids.append(int(token))
-                if len(req.output_ids) >= req.max_new_tokens:
-                    req.finished_reason = {"type": "length"}
-                    runner.dp_allocators[r].free(
-                        runner.dp_req_to_token_pools[r].free_slot(req.req_pool_idx))
-                    running[r].remove(req)
-        step_no += 1
-    return [r.output_ids for r in reqs]
+def dp_report(engine) -> dict:
+    """What a DP attention run did: its joint steps, the rank-steps run IDLE, and each rank's
+    free pages and slots after `flush_cache()` (all of them, if nothing leaked)."""
+    scheduler = engine.scheduler
+    flushed = engine.flush_cache()
+    return {"dp_steps": scheduler.forward_ct, "idle_rank_steps": scheduler.num_idle_rank_steps,
+            "flushed": flushed,
+            "pages_free": [[s.allocator.num_free, s.allocator.capacity] for s in scheduler.ranks],
+            "slots_free": [s.req_to_token_pool.num_free_slots for s in scheduler.ranks],
+            "memory_stats": engine.memory_stats()}
 
 
 def decode_hlo_summary(engine) -> dict:
