@@ -51,10 +51,20 @@ def decode_buckets(max_running_requests: int) -> list[Bucket]:
     return [Bucket(ForwardMode.DECODE, b, b) for b in _powers_of(2, MIN_DECODE_BATCH, top)]
 
 
+def _token_sizes(lo: int, hi: int) -> list[int]:
+    """32, 48, 64, 96, 128, 192, ... up to `hi`: powers of two and the sizes 1.5x above them,
+    so a prefill step (which costs about its padded token count) pads by a third at most."""
+    sizes, size = {hi}, lo
+    while size < hi:
+        sizes.update((size, size * 3 // 2))
+        size *= 2
+    return sorted(s for s in sizes if s <= hi)
+
+
 def extend_buckets(max_prefill_tokens: int, max_running_requests: int) -> list[Bucket]:
-    """Token counts 32, 64, ... up to `max_prefill_tokens`, each with request counts
+    """Token counts 32, 48, 64, 96, ... up to `max_prefill_tokens`, each with request counts
     1, 4, 16, ... up to min(tokens, max_running_requests)."""
-    token_sizes = _powers_of(2, min(MIN_EXTEND_TOKENS, max_prefill_tokens), max_prefill_tokens)
+    token_sizes = _token_sizes(min(MIN_EXTEND_TOKENS, max_prefill_tokens), max_prefill_tokens)
     buckets = []
     for tokens in token_sizes:
         max_reqs = min(tokens, max_running_requests)

@@ -14,7 +14,7 @@ def test_decode_buckets_are_powers_of_two_up_to_the_max():
 
 def test_extend_buckets_cover_every_token_and_request_count():
     buckets = extend_buckets(max_prefill_tokens=300, max_running_requests=20)
-    assert sorted({b.num_tokens for b in buckets}) == [32, 64, 128, 256, 300]
+    assert sorted({b.num_tokens for b in buckets}) == [32, 48, 64, 96, 128, 192, 256, 300]
     for tokens in range(1, 301):
         for reqs in range(1, min(tokens, 20) + 1):
             b = pick_bucket(buckets, ForwardMode.EXTEND, tokens, reqs)
@@ -26,7 +26,8 @@ def test_pick_bucket_takes_the_smallest_fit():
     buckets = all_buckets(512, 64)
     assert pick_bucket(buckets, ForwardMode.DECODE, 5, 5) == Bucket(ForwardMode.DECODE, 8, 8)
     assert pick_bucket(buckets, ForwardMode.DECODE, 1, 1) == Bucket(ForwardMode.DECODE, 2, 2)
-    assert pick_bucket(buckets, ForwardMode.EXTEND, 33, 2) == Bucket(ForwardMode.EXTEND, 64, 4)
+    assert pick_bucket(buckets, ForwardMode.EXTEND, 33, 2) == Bucket(ForwardMode.EXTEND, 48, 4)
+    assert pick_bucket(buckets, ForwardMode.EXTEND, 97, 2) == Bucket(ForwardMode.EXTEND, 128, 4)
     with pytest.raises(ValueError, match="no EXTEND bucket"):
         pick_bucket(buckets, ForwardMode.EXTEND, 513, 1)
     with pytest.raises(ValueError, match="no DECODE bucket"):

@@ -13,7 +13,7 @@ from jaxrunner.sampling_params import SamplingParams
 
 PLAIN = dict(disable_radix_cache=True, enable_mixed_chunk=False, disable_overlap_schedule=True)
 VARIANTS = {
-    "radix+mixed+overlap": dict(),
+    "radix+mixed+overlap": dict(enable_mixed_chunk=True),
     "chunk64": dict(chunked_prefill_size=64),
     "no_overlap_lpm": dict(disable_overlap_schedule=True, schedule_policy="lpm"),
     # Admission that sets nothing aside for future tokens fills the cache, so decode retracts.
