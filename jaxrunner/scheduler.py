@@ -261,6 +261,28 @@ class Scheduler:
         self.num_retractions += 1
         self.waiting.append(req)  # its old rid puts it first in FCFS order
 
+    def _cache_prefilled(self, req: Req) -> None:
+        """Shares a freshly prefilled prompt at once (SGLang's cache_unfinished_req): its whole
+        pages go into the prefix cache, so requests with the same prefix that arrive while this
+        one still decodes reuse them. Where the tree already held some of them (another request
+        got there first), the request switches to the tree's pages and frees its duplicates."""
+        if self.tree_cache.disable:
+            return
+        pool, ps = self.req_to_token_pool, self.page_size
+        known = req.fill_ids
+        whole = min(req.num_computed_tokens, len(known)) // ps
+        if whole <= req.num_tree_pages:
+            return
+        pages = pool.pages(req.req_pool_idx).tolist()
+        cached = self.tree_cache.insert(known[:whole * ps], pages[:whole]) // ps
+        match = self.tree_cache.match_prefix(known[:whole * ps])
+        self.allocator.free(pages[req.num_tree_pages:cached])  # duplicates of the tree's pages
+        pool.page_table[req.req_pool_idx, :whole] = match.pages
+        self.tree_cache.inc_lock_ref(match.node)
+        if req.prefix_node is not None:
+            self.tree_cache.dec_lock_ref(req.prefix_node)
+        req.prefix_node, req.num_tree_pages = match.node, whole
+
     def _release_kv(self, req: Req) -> None:
         """Returns a request's KV: whole pages of known tokens go to the prefix cache, the rest
         to the allocator; its lock on the matched prefix is dropped."""
@@ -325,6 +347,7 @@ class Scheduler:
                     self.chunked_req = None
                 if req not in self.running:
                     self.running.append(req)
+                    self._cache_prefilled(req)
         return LaunchedBatch(batch, tokens, logprobs, samples,
                              {r.rid: i for i, r in enumerate(batch.reqs)})
 

@@ -217,3 +217,25 @@ def test_no_executable_copies_the_kv_cache(engine):
     for key, executable in runner.executables.items():
         copies = cache_copy.findall(executable.as_text())
         assert not copies, f"{key[0]} copies the KV cache {len(copies)} times"
+
+
+def test_a_running_requests_prompt_is_shared_before_it_finishes(engine):
+    rng = np.random.default_rng(7)
+    prefix = _random_prompt(rng, engine, 64)
+    params = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
+    first = engine.add_request(prefix + _random_prompt(rng, engine, 5), params)
+    while not first.output_ids:
+        engine.step()
+    second = engine.add_request(prefix + _random_prompt(rng, engine, 9), params)
+    while not second.output_ids:
+        engine.step()
+    assert not first.finished
+    assert second.cached_tokens == 64
+    while engine.has_unfinished_requests:
+        engine.step()
+    alone = engine.generate(input_ids=second.origin_input_ids, sampling_params=params)
+    assert engine.flush_cache()
+    fresh = engine.generate(input_ids=second.origin_input_ids, sampling_params=params)
+    assert second.output_ids == alone["output_ids"] == fresh["output_ids"]
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    assert _all_pages_free(engine)
