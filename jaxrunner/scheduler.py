@@ -165,6 +165,8 @@ class Scheduler:
         """Prefill chunks for this step: the chunked request's next chunk, then waiting requests
         in policy order while tokens, request slots and pages last. `decoding` are the running
         requests riding along (MIXED); their tokens and new pages come off the budget first."""
+        if not self.waiting and self.chunked_req is None:
+            return None  # the common decode step: skip the page accounting below
         args = self.args
         reserved = sum(future_pages(r, self.page_size, self.new_token_ratio) for r in self.running)
         budget = PrefillBudget(

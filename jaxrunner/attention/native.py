@@ -44,9 +44,6 @@ class NativeMetadata:
 
 
 class NativeAttentionBackend(AttentionBackend):
-    def __init__(self, config: AttentionConfig):
-        super().__init__(config)
-
     def _shape(self, fb: ForwardBatch) -> tuple[int, int, int]:
         """(block rows Bq, number of blocks NB, pages per chunk) for this batch's shape."""
         R, T = fb.batch_size, fb.num_tokens
