@@ -7,7 +7,7 @@ variables of our own.
 import dataclasses
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "native", "pallas")
+ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
 DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -53,6 +53,8 @@ class EngineArgs:
     # Build and launch step n+1 before reading step n's tokens back.
     disable_overlap_schedule: bool = False
 
+    # auto: "pallas" on TPU and GPU; on CPU "cpu" (a C++ kernel built on first use) or "native"
+    # (plain XLA) where no C++ compiler is found.
     attention_backend: str = "auto"
     # Run the Pallas kernels in interpret mode (CPU tests). The interpreter compiles small
     # programs as it runs, so it cannot be combined with `disallow_compile_after_warmup`.

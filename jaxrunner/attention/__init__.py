@@ -1,20 +1,34 @@
-"""Attention backends: `native` (plain XLA) and `pallas` (the kernels in `kernels_pallas`)."""
+"""Attention backends: `native` (plain XLA), `pallas` (the kernels in `kernels_pallas`) and `cpu`
+(the C++ kernel in `kernels_cpu`)."""
+
+import logging
 
 import jax
 
+import kernels_cpu
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
+from jaxrunner.attention.cpu import CpuAttentionBackend
 from jaxrunner.attention.native import NativeAttentionBackend
 from jaxrunner.attention.pallas import PallasAttentionBackend
 from jaxrunner.attention.sharded import ShardedAttentionBackend, local_config
 from jaxrunner.parallel import TENSOR_AXIS
 
+logger = logging.getLogger(__name__)
+
 
 def resolve_backend_name(name: str, platform: str | None = None) -> str:
-    """`auto` means Pallas on TPU and GPU, native XLA on CPU."""
+    """`auto` means Pallas on TPU and GPU; on CPU the C++ kernel, or native XLA where it cannot
+    be built (no C++ compiler)."""
     if name != "auto":
         return name
     platform = platform or jax.default_backend()
-    return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "native"
+    if platform in ("tpu", "gpu", "cuda", "rocm"):
+        return "pallas"
+    reason = kernels_cpu.unavailable_reason()
+    if reason is None:
+        return "cpu"
+    logger.warning("CPU attention kernel unavailable, using native XLA attention: %s", reason)
+    return "native"
 
 
 def create_attention_backend(name: str, config: AttentionConfig, *, interpret: bool = False,
@@ -29,4 +43,6 @@ def create_attention_backend(name: str, config: AttentionConfig, *, interpret: b
         return NativeAttentionBackend(config)
     if name == "pallas":
         return PallasAttentionBackend(config, interpret=interpret)
-    raise ValueError(f"unknown attention backend {name!r}; choose native, pallas or auto")
+    if name == "cpu":
+        return CpuAttentionBackend(config)
+    raise ValueError(f"unknown attention backend {name!r}; choose native, pallas, cpu or auto")

@@ -1,4 +1,5 @@
-"""Paged attention in plain XLA: the CPU default and the engine's readable baseline.
+"""Paged attention in plain XLA: the readable baseline, and the CPU fallback where no C++ compiler
+is found for the `cpu` backend.
 
 Tokens are grouped into query blocks of one request each (a decode token is a block of one);
 each block walks its request's pages a chunk at a time with an online softmax, for as many

@@ -20,9 +20,17 @@ _KERNEL_BY_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
 @partial(jax.tree_util.register_dataclass)
 @dataclass(frozen=True)
-class PallasMetadata:
+class RaggedMetadata:
+    """What a ragged paged attention kernel needs beyond the forward batch."""
+
     cu_q_lens: jax.Array  # i32[R + 1]: cumulative new tokens per request
     num_seqs: jax.Array   # i32[1]: real requests (padding rows come last, with length 0)
+
+
+def ragged_metadata(fb: ForwardBatch) -> RaggedMetadata:
+    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(fb.extend_seq_lens)])
+    num_seqs = jnp.sum(fb.extend_seq_lens > 0, dtype=jnp.int32).reshape(1)
+    return RaggedMetadata(cu_q_lens=cu_q_lens.astype(jnp.int32), num_seqs=num_seqs)
 
 
 class PallasAttentionBackend(AttentionBackend):
@@ -39,13 +47,10 @@ class PallasAttentionBackend(AttentionBackend):
                              f"attention_backend='native', or pallas_interpret=True for tests")
         self.interpret = interpret
 
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> PallasMetadata:
-        fb = forward_batch
-        cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(fb.extend_seq_lens)])
-        num_seqs = jnp.sum(fb.extend_seq_lens > 0, dtype=jnp.int32).reshape(1)
-        return PallasMetadata(cu_q_lens=cu_q_lens.astype(jnp.int32), num_seqs=num_seqs)
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> RaggedMetadata:
+        return ragged_metadata(forward_batch)
 
-    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata: PallasMetadata):
+    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata: RaggedMetadata):
         kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
         out = ragged_paged_attention(
             q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens, forward_batch.page_table,

@@ -1,0 +1,131 @@
+"""CPU kernels, as XLA FFI custom calls compiled from C++ on first use.
+
+`ragged_paged_attention_cpu` has the contract of `kernels_pallas.ragged_paged_attention` and is
+tested against the same jnp reference. XLA has no Pallas lowering for CPUs, and paged attention
+written in XLA ops gathers every KV page into a fresh buffer before it can use it; this kernel
+reads each page where it lies, walks only the keys a query block can see, and runs on XLA's own
+thread pool. The shared library is built with the system C++ compiler into a per-user cache
+(keyed by the source, the compiler, jaxlib and the CPU), once per machine.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
+_TARGET = "jaxrunner_ragged_paged_attention"
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast"]
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded on this machine."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise KernelBuildError("no C++ compiler found (tried $CXX, c++, g++, clang++)")
+
+
+def _arch_flags(cxx: str) -> list[str]:
+    # Tune for this CPU where the compiler knows how (x86 and Arm spell it differently).
+    for flag in ("-march=native", "-mcpu=native"):
+        probe = subprocess.run([cxx, flag, "-x", "c++", "-E", "-o", os.devnull, os.devnull],
+                               capture_output=True, check=False)
+        if probe.returncode == 0:
+            return [flag]
+    return []
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = [line for line in f if line.startswith(("flags", "Features", "model name"))]
+        return "".join(sorted(set(flags)))
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "jaxrunner" / "kernels_cpu"
+
+
+def _build() -> Path:
+    cxx = _compiler()
+    flags = _FLAGS + _arch_flags(cxx)
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    key = hashlib.sha256("\0".join([
+        _SOURCE.read_text(), cxx, version, " ".join(flags), jaxlib.__version__, _cpu_signature(),
+    ]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"ragged_paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders never see a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise KernelBuildError(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n"
+                               f"{result.stderr[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+@functools.cache
+def load() -> None:
+    """Builds (once per machine) and registers the kernels with XLA; raises KernelBuildError."""
+    path = _build()
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"loading {path} failed: {e}") from e
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttention),
+                                platform="cpu")
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None if the kernels build and load here, else why not (for a fallback's message)."""
+    try:
+        load()
+    except KernelBuildError as e:
+        return str(e)
+    return None
+
+
+def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                               sm_scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None):
+    """Ragged paged attention on the CPU; see `kernels_pallas.ragged_paged_attention`.
+
+    float32 or bfloat16 (q and kv_cache alike), float32 accumulation; padded tokens give zeros.
+    """
+    from kernels_pallas.ragged_paged_attention import check_static_args
+    check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                      sliding_window, soft_cap)
+    if q.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):
+        raise ValueError(f"ragged_paged_attention_cpu takes f32 or bf16, got {q.dtype}")
+    load()
+    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+        q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+        sliding_window=np.int64(sliding_window or 0))
+
+
+__all__ = ["KernelBuildError", "load", "ragged_paged_attention_cpu", "unavailable_reason"]

@@ -1,0 +1,552 @@
+// Ragged paged attention for CPUs, as an XLA FFI custom call.
+//
+// Same contract as kernels_pallas.ragged_paged_attention (see its docstring): sequence s owns
+// query tokens cu_q_lens[s]..cu_q_lens[s+1] and KV positions 0..kv_lens[s]-1 in the pages
+// page_indices[s]; the cache is [num_pages, page_size, 2 * num_kv_heads, head_dim] with K in the
+// even and V in the odd slots of axis 2.
+//
+// The work is split into items of (sequence, KV head, block of query tokens); an item holds the
+// block's query rows for all heads of the group (rows = tokens x group), walks only the KV
+// positions its rows can see (causal and sliding-window bounds per block, so a prefill does
+// about half the work of a full square) in tiles of kTile keys with an online softmax, and reads
+// each K/V row of the cache once per item. Items run on XLA's intra-op thread pool.
+//
+// Inner loops use GCC/Clang vector extensions (16 floats; the compiler maps them to AVX-512,
+// AVX2 or NEON): S = Q K^T is an outer product over a transposed K tile, O += P V an outer
+// product over V rows, and exp is a vector polynomial. Accumulation is float32 whatever the
+// cache dtype (float32 or bfloat16).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;                // floats per vector
+constexpr int kTile = 64;                 // keys per tile
+constexpr int kTileVecs = kTile / kLanes;
+constexpr int kRowBlock = 4;              // query rows per register block
+constexpr int kTargetRows = 64;           // query rows (tokens x group) per work item
+constexpr int kDirectRows = 8;            // at most this many rows read K/V in place
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+// Unaligned views for loads and stores from plain float arrays.
+typedef float vf_u __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+typedef int32_t vi_u __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
+inline vf splat(float x) { return vf{} + x; }
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (logits minus their running max), relative error ~2e-7; -inf gives 0.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.0f);
+  vi underflow = x < lo;
+  x = x < lo ? lo : x;
+  const vf t = x * splat(1.44269504088896341f);  // x / ln 2
+  // Round to nearest: adding and removing 1.5 * 2^23 leaves the integer part (|t| < 2^22).
+  const vf n = (t + splat(12582912.0f)) - splat(12582912.0f);
+  vf r = x - n * splat(0.693359375f);             // ln 2, split in two for accuracy
+  r = r - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  p = p * scale;
+  return underflow ? splat(0.0f) : p;
+}
+
+// ---- element types ------------------------------------------------------------------------
+
+struct BF16 {
+  uint16_t bits;
+};
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(BF16 x) {
+  uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline void from_f32(float x, float* out) { *out = x; }
+inline void from_f32(float x, BF16* out) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    out->bits = uint16_t((u >> 16) | 0x40);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  out->bits = uint16_t(u >> 16);
+}
+
+// kLanes consecutive elements as floats.
+inline vf load_row(const float* p) { return load(p); }
+inline vf load_row(const BF16* p) {
+  typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
+  typedef uint32_t vu32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  const vu32 bits = __builtin_convertvector(*reinterpret_cast<const vu16*>(p), vu32) << 16;
+  vf f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Lane c of the result is the sum of the lanes of p[c]: sixteen horizontal sums in 15 steps of
+// shuffle-and-add, halving the lanes per key at each level.
+inline vf sum_lanes_16(vf p[kLanes]) {
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+// ---- problem ------------------------------------------------------------------------------
+
+template <typename T>
+struct Problem {
+  const T* q;            // [num_tokens, num_q_heads, head_dim]
+  const T* kv;           // [num_pages, page_size, 2 * num_kv_heads, head_dim]
+  const int32_t* kv_lens;
+  const int32_t* pages;  // [max_num_seqs, pages_per_seq]
+  const int32_t* cu_q_lens;
+  T* out;
+  int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, group;
+  int64_t num_pages, page_size, pages_per_seq;
+  float sm_scale, soft_cap;  // soft_cap 0: none
+  int64_t window;            // 0: none
+};
+
+struct Item {
+  int32_t seq, kv_head, token_begin, token_end;
+  int64_t cost;
+};
+
+// Per-thread scratch, grown on demand.
+struct Scratch {
+  std::vector<float> q, o, s, kt, v, m, l;
+  void reserve(int64_t rows, int64_t head_dim, int64_t head_dim_padded) {
+    q.resize(rows * head_dim);
+    o.resize(rows * head_dim_padded);
+    s.resize(rows * kTile);
+    kt.resize(head_dim * kTile);
+    v.resize(kTile * head_dim_padded);
+    m.resize(rows);
+    l.resize(rows);
+  }
+};
+
+// S[r, :] = Q[r, :] . KT for NR rows: acc in registers, K tile from L1.
+template <int NR>
+inline void scores_block(const float* q, int64_t head_dim, const float* kt, float* s) {
+  vf acc[NR][kTileVecs] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    vf k[kTileVecs];
+    for (int j = 0; j < kTileVecs; ++j) k[j] = load(kt + d * kTile + j * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const vf qb = splat(q[r * head_dim + d]);
+      for (int j = 0; j < kTileVecs; ++j) acc[r][j] += qb * k[j];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < kTileVecs; ++j) store(s + r * kTile + j * kLanes, acc[r][j]);
+}
+
+// O[r, d0 : d0 + NV * kLanes] += P[r, :n] V[:n, same columns] for NR rows.
+template <int NR, int NV>
+inline void pv_block(const float* p, int n, const float* v, int64_t dp, int64_t d0, float* o) {
+  vf acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * dp + d0 + j * kLanes);
+  for (int c = 0; c < n; ++c) {
+    vf vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load(v + c * dp + d0 + j * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const vf pb = splat(p[r * kTile + c]);
+      for (int j = 0; j < NV; ++j) acc[r][j] += pb * vv[j];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NV; ++j) store(o + r * dp + d0 + j * kLanes, acc[r][j]);
+}
+
+template <int NR>
+inline void pv_rows(const float* p, int n, const float* v, int64_t dp, float* o) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * kLanes <= dp; d0 += 4 * kLanes) pv_block<NR, 4>(p, n, v, dp, d0, o);
+  for (; d0 < dp; d0 += kLanes) pv_block<NR, 1>(p, n, v, dp, d0, o);
+}
+
+// Few rows (a decode token's group of heads): transposing a K tile would cost more than the dot
+// products, so keys are read in place and each row's 16-lane partial sums are reduced 16 keys
+// at a time. Needs head_dim % kLanes == 0.
+template <int NR, typename T>
+inline void scores_direct(const float* q, int64_t head_dim, const T* const* k_rows, int n,
+                          float* s) {
+  const int64_t dv = head_dim / kLanes;
+  for (int c0 = 0; c0 < n; c0 += kLanes) {
+    vf part[NR][kLanes];
+    for (int c = 0; c < kLanes; ++c) {
+      vf acc[NR] = {};
+      if (c0 + c < n) {
+        const T* k = k_rows[c0 + c];
+        for (int64_t j = 0; j < dv; ++j) {
+          const vf kj = load_row(k + j * kLanes);
+          for (int r = 0; r < NR; ++r) acc[r] += load(q + r * head_dim + j * kLanes) * kj;
+        }
+      }
+      for (int r = 0; r < NR; ++r) part[r][c] = acc[r];
+    }
+    for (int r = 0; r < NR; ++r) store(s + r * kTile + c0, sum_lanes_16(part[r]));
+  }
+}
+
+// O[r, :] += P[r, :n] V[:n, :] for NR rows, V read in place (row stride dp in O).
+template <int NR, int NV, typename T>
+inline void pv_direct_block(const float* p, int n, const T* const* v_rows, int64_t dp,
+                            int64_t d0, float* o) {
+  vf acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * dp + d0 + j * kLanes);
+  for (int c = 0; c < n; ++c) {
+    vf vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load_row(v_rows[c] + d0 + j * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const vf pb = splat(p[r * kTile + c]);
+      for (int j = 0; j < NV; ++j) acc[r][j] += pb * vv[j];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NV; ++j) store(o + r * dp + d0 + j * kLanes, acc[r][j]);
+}
+
+template <int NR, typename T>
+inline void direct_rows(const float* q, int64_t head_dim, const T* const* k_rows,
+                        const T* const* v_rows, int n, float* s, float* o, bool scores) {
+  if (scores) {
+    scores_direct<NR>(q, head_dim, k_rows, n, s);
+    return;
+  }
+  int64_t d0 = 0;
+  for (; d0 + 4 * kLanes <= head_dim; d0 += 4 * kLanes)
+    pv_direct_block<NR, 4>(s, n, v_rows, head_dim, d0, o);
+  for (; d0 < head_dim; d0 += kLanes) pv_direct_block<NR, 1>(s, n, v_rows, head_dim, d0, o);
+}
+
+// Runs direct_rows over `rows` rows in blocks of kRowBlock (the remainder one size down).
+template <typename T>
+inline void direct_all(int64_t rows, const float* q, int64_t head_dim, const T* const* k_rows,
+                       const T* const* v_rows, int n, float* s, float* o, bool scores) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    direct_rows<4>(q + r * head_dim, head_dim, k_rows, v_rows, n, s + r * kTile,
+                   o + r * head_dim, scores);
+  switch (rows - r) {
+    case 3: direct_rows<3>(q + r * head_dim, head_dim, k_rows, v_rows, n, s + r * kTile,
+                           o + r * head_dim, scores); break;
+    case 2: direct_rows<2>(q + r * head_dim, head_dim, k_rows, v_rows, n, s + r * kTile,
+                           o + r * head_dim, scores); break;
+    case 1: direct_rows<1>(q + r * head_dim, head_dim, k_rows, v_rows, n, s + r * kTile,
+                           o + r * head_dim, scores); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
+  const int64_t D = P.head_dim, G = P.group;
+  const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
+  const int64_t q_begin = P.cu_q_lens[it.seq];
+  const int64_t q_len = P.cu_q_lens[it.seq + 1] - q_begin;
+  const int64_t kv_len = P.kv_lens[it.seq];
+  const int64_t first_pos = kv_len - q_len;  // position of the sequence's first query token
+  const int64_t rows = int64_t(it.token_end - it.token_begin) * G;
+  sc.reserve(rows, D, Dp);
+  float *q = sc.q.data(), *o = sc.o.data(), *s = sc.s.data();
+  float *kt = sc.kt.data(), *v = sc.v.data(), *m = sc.m.data(), *l = sc.l.data();
+
+  // Row r is token token_begin + r / G, query head kv_head * G + r % G.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = it.token_begin + r / G, h = it.kv_head * G + r % G;
+    const T* src = P.q + (t * P.num_q_heads + h) * D;
+    for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_f32(src[d]) * P.sm_scale;
+    m[r] = kNegInf;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + rows * Dp, 0.f);
+
+  const int64_t pos_lo = first_pos + (it.token_begin - q_begin);
+  const int64_t pos_hi = first_pos + (it.token_end - q_begin) - 1;
+  const int64_t kv_begin = P.window > 0 ? std::max<int64_t>(0, pos_lo - P.window + 1) : 0;
+  const int64_t kv_end = std::min(kv_len, pos_hi + 1);
+  const int64_t stride_token = 2 * P.num_kv_heads * D;  // one slot of a page
+  const int32_t* page_row = P.pages + int64_t(it.seq) * P.pages_per_seq;
+
+  const bool direct = D % kLanes == 0 && rows <= kDirectRows;
+  // K and V row pointers of the current and the next tile. The next tile's rows are prefetched
+  // into L2 while this one is computed: rows come from scattered pages, and without the
+  // prefetch each K load waits on memory (decode ran at a third of the bandwidth).
+  const T* rows_buf[2][2][kTile];
+  auto locate = [&](int64_t c0, const T** k_rows, const T** v_rows) {
+    const int n = int(std::min<int64_t>(kTile, kv_end - c0));
+    for (int c = 0; c < n; ++c) {
+      const int64_t pos = c0 + c;
+      int64_t page = page_row[std::min(pos / P.page_size, P.pages_per_seq - 1)];
+      page = std::min<int64_t>(std::max<int64_t>(page, 0), P.num_pages - 1);
+      k_rows[c] = P.kv + (page * P.page_size + pos % P.page_size) * stride_token
+                  + 2 * it.kv_head * D;
+      v_rows[c] = k_rows[c] + D;
+      const char* line = reinterpret_cast<const char*>(k_rows[c]);
+      for (int64_t b = 0; b < int64_t(2 * D * sizeof(T)); b += 64)
+        __builtin_prefetch(line + b, 0, 2);
+    }
+  };
+  if (kv_begin < kv_end) locate(kv_begin, rows_buf[0][0], rows_buf[0][1]);
+  for (int64_t c0 = kv_begin, tile = 0; c0 < kv_end; c0 += kTile, ++tile) {
+    const int n = int(std::min<int64_t>(kTile, kv_end - c0));
+    const T* const* k_rows = rows_buf[tile & 1][0];
+    const T* const* v_rows = rows_buf[tile & 1][1];
+    if (c0 + kTile < kv_end)
+      locate(c0 + kTile, rows_buf[(tile + 1) & 1][0], rows_buf[(tile + 1) & 1][1]);
+    int64_t r = 0;
+    if (direct) {
+      direct_all(rows, q, D, k_rows, v_rows, n, s, o, /*scores=*/true);
+    } else {
+      // Gather the tile: K transposed to [D, kTile], V as [kTile, Dp]; unused keys are zero.
+      for (int c = 0; c < n; ++c) {
+        for (int64_t d = 0; d < D; ++d) kt[d * kTile + c] = to_f32(k_rows[c][d]);
+        for (int64_t d = 0; d < D; ++d) v[c * Dp + d] = to_f32(v_rows[c][d]);
+        for (int64_t d = D; d < Dp; ++d) v[c * Dp + d] = 0.f;
+      }
+      if (n < kTile)
+        for (int64_t d = 0; d < D; ++d) std::fill(kt + d * kTile + n, kt + (d + 1) * kTile, 0.f);
+      for (; r + kRowBlock <= rows; r += kRowBlock)
+        scores_block<kRowBlock>(q + r * D, D, kt, s + r * kTile);
+      for (; r < rows; ++r) scores_block<1>(q + r * D, D, kt, s + r * kTile);
+    }
+
+    // Online softmax per row; masked scores become -inf, so exp gives exactly 0.
+    for (r = 0; r < rows; ++r) {
+      float* sr = s + r * kTile;
+      const int64_t pos = pos_lo + r / G;
+      // Visible keys of this row within the tile: [lo, hi).
+      const int64_t hi = std::min<int64_t>(n, std::min(pos + 1, kv_len) - c0);
+      const int64_t lo = P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1 - c0) : 0;
+      if (hi <= lo) {
+        std::fill(sr, sr + kTile, 0.f);  // nothing visible: contributes p = 0
+        continue;
+      }
+      if (P.soft_cap > 0.f)
+        for (int64_t c = lo; c < hi; ++c) sr[c] = P.soft_cap * std::tanh(sr[c] / P.soft_cap);
+      vf mx = splat(kNegInf);
+      for (int j = 0; j < kTileVecs; ++j) {
+        vi idx;
+        for (int i = 0; i < kLanes; ++i) idx[i] = j * kLanes + i;
+        const vi keep = (idx >= int32_t(lo)) & (idx < int32_t(hi));
+        const vf x = keep ? load(sr + j * kLanes) : splat(kNegInf);
+        store(sr + j * kLanes, x);
+        mx = vmax(mx, x);
+      }
+      const float m_new = std::max(m[r], hmax(mx));
+      const float correction = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+      vf sum = {};
+      for (int j = 0; j < kTileVecs; ++j) {
+        const vf p = vexp(load(sr + j * kLanes) - splat(m_new));
+        store(sr + j * kLanes, p);
+        sum += p;
+      }
+      l[r] = l[r] * correction + hsum(sum);
+      m[r] = m_new;
+      if (correction != 1.f)
+        for (int64_t d = 0; d < Dp; d += kLanes) store(o + r * Dp + d, load(o + r * Dp + d) * splat(correction));
+    }
+
+    if (direct) {
+      direct_all(rows, q, D, k_rows, v_rows, n, s, o, /*scores=*/false);
+      continue;
+    }
+    for (r = 0; r + kRowBlock <= rows; r += kRowBlock)
+      pv_rows<kRowBlock>(s + r * kTile, n, v, Dp, o + r * Dp);
+    for (; r < rows; ++r) pv_rows<1>(s + r * kTile, n, v, Dp, o + r * Dp);
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = it.token_begin + r / G, h = it.kv_head * G + r % G;
+    T* dst = P.out + (t * P.num_q_heads + h) * D;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t d = 0; d < D; ++d) from_f32(o[r * Dp + d] * inv, dst + d);
+  }
+}
+
+template <typename T>
+std::vector<Item> make_items(const Problem<T>& P, int32_t num_seqs) {
+  std::vector<Item> items;
+  const int64_t block = std::max<int64_t>(1, kTargetRows / P.group);
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int64_t begin = P.cu_q_lens[s], end = P.cu_q_lens[s + 1];
+    const int64_t kv_len = P.kv_lens[s];
+    for (int64_t t0 = begin; t0 < end; t0 += block) {
+      const int64_t t1 = std::min(end, t0 + block);
+      // Cost ~ rows x keys they can see (the block's last token sees the most).
+      const int64_t keys = std::max<int64_t>(1, std::min(kv_len, kv_len - (end - t1)));
+      const int64_t span = P.window > 0 ? std::min<int64_t>(keys, P.window + (t1 - t0)) : keys;
+      for (int64_t h = 0; h < P.num_kv_heads; ++h)
+        items.push_back({s, int32_t(h), int32_t(t0), int32_t(t1), (t1 - t0) * span});
+    }
+  }
+  // Longest first, so the last items to start are short and the threads finish together.
+  std::sort(items.begin(), items.end(),
+            [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
+
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename T>
+void run_items(const Problem<T>& P, const std::vector<Item>& items, Shared& shared) {
+  thread_local Scratch scratch;
+  const int64_t n = int64_t(items.size());
+  for (int64_t i; (i = shared.next.fetch_add(1)) < n;) {
+    attend(P, items[i], scratch);
+    shared.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename T>
+ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
+               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+               ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
+               int64_t sliding_window) {
+  const auto q_dims = q.dimensions();
+  const auto kv_dims = kv.dimensions();
+  if (q_dims.size() != 3 || kv_dims.size() != 4 || page_indices.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
+  auto P = std::make_shared<Problem<T>>();
+  P->q = reinterpret_cast<const T*>(q.untyped_data());
+  P->kv = reinterpret_cast<const T*>(kv.untyped_data());
+  P->kv_lens = kv_lens.typed_data();
+  P->pages = page_indices.typed_data();
+  P->cu_q_lens = cu_q_lens.typed_data();
+  P->out = reinterpret_cast<T*>(out->untyped_data());
+  P->num_tokens = q_dims[0];
+  P->num_q_heads = q_dims[1];
+  P->head_dim = q_dims[2];
+  P->num_pages = kv_dims[0];
+  P->page_size = kv_dims[1];
+  P->num_kv_heads = kv_dims[2] / 2;
+  P->group = P->num_q_heads / P->num_kv_heads;
+  P->pages_per_seq = page_indices.dimensions()[1];
+  P->sm_scale = sm_scale;
+  P->soft_cap = soft_cap;
+  P->window = sliding_window;
+
+  const int64_t max_num_seqs = kv_lens.element_count();
+  const int32_t seqs = std::clamp<int32_t>(num_seqs.typed_data()[0], 0, int32_t(max_num_seqs));
+  // Tokens past the last real sequence are padding: their rows are zero.
+  const int64_t real_tokens = std::clamp<int64_t>(P->cu_q_lens[seqs], 0, P->num_tokens);
+  const int64_t row = P->num_q_heads * P->head_dim;
+  std::memset(static_cast<void*>(P->out + real_tokens * row), 0,
+              (P->num_tokens - real_tokens) * row * sizeof(T));
+
+  auto items = std::make_shared<std::vector<Item>>(make_items(*P, seqs));
+  auto shared = std::make_shared<Shared>();
+  const int64_t helpers =
+      std::min<int64_t>(pool.num_threads(), int64_t(items->size()) - 1);
+  for (int64_t i = 0; i < helpers; ++i)
+    // Shared pointers keep the problem alive for a helper that starts after we return.
+    pool.Schedule([P, items, shared] { run_items(*P, *items, *shared); });
+  run_items(*P, *items, *shared);
+  // The items we did not run are in flight on helpers; they finish without blocking.
+  const int64_t total = int64_t(items->size());
+  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
+                                  ffi::Buffer<ffi::S32> kv_lens,
+                                  ffi::Buffer<ffi::S32> page_indices,
+                                  ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                                  ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                                  float soft_cap, int64_t sliding_window) {
+  if (q.element_type() != kv.element_type() || out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q, kv_cache and out dtypes differ");
+  switch (q.element_type()) {
+    case ffi::F32:
+      return run<float>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out, sm_scale,
+                        soft_cap, sliding_window);
+    case ffi::BF16:
+      return run<BF16>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out, sm_scale,
+                       soft_cap, sliding_window);
+    default:
+      return ffi::Error::InvalidArgument("ragged_paged_attention: dtype must be f32 or bf16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttention, ragged_paged_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));
