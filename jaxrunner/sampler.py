@@ -95,15 +95,29 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Arra
     semantics. Pure and jittable; every branch is on array values.
     """
     logits = logits.astype(jnp.float32)  # [R, V]
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]
+    greedy_tokens = first_argmax(logits)  # [R]
     is_greedy = batch.temperatures < GREEDY_TEMPERATURE  # [R]
     tokens = jax.lax.cond(
         jnp.all(is_greedy),
         lambda: greedy_tokens,
         lambda: jnp.where(is_greedy, greedy_tokens, _sample_rows(logits, batch, is_greedy)),
     )
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    # log_softmax(x)[token] without materialising log_softmax over the vocabulary.
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """argmax over the last axis (the first index on ties) -> i32; a row without a maximum
+    (NaN) gives the last index.
+
+    As two vectorised passes, a max and then the smallest index holding it: XLA's CPU argmax
+    reduces (value, index) pairs one element at a time, 5x slower on [64, 32000] logits.
+    """
+    size = x.shape[-1]
+    at_max = x == jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(at_max, jnp.arange(size, dtype=jnp.int32), size), axis=-1)
+    return jnp.minimum(index, size - 1)
 
 
 def _sample_rows(logits: jax.Array, batch: SamplingBatch, is_greedy: jax.Array) -> jax.Array:
@@ -121,7 +135,9 @@ def _sample_rows(logits: jax.Array, batch: SamplingBatch, is_greedy: jax.Array) 
         scaled,
     )
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(batch.seeds, batch.steps)
-    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)  # [R]
+    # The Gumbel-max draw of jax.random.categorical, with the faster argmax.
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,)))(keys)  # [R, V]
+    return first_argmax(scaled + gumbel)  # [R]
 
 
 def _filter(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:

@@ -267,3 +267,17 @@ def test_bfloat16_logits_are_upcast():
     batch = jax.device_put(SamplingBatch.from_params([GREEDY] * R, [0] * R, [0] * R, R))
     tokens, logprobs = sample(jnp.asarray(logits, jnp.bfloat16), batch)
     assert tokens.dtype == jnp.int32 and logprobs.dtype == jnp.float32
+
+
+def test_first_argmax_matches_argmax_and_stays_in_range():
+    from jaxrunner.sampler import first_argmax
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 3, size=(32, 50)).astype(np.float32)  # many ties
+    x[5, :] = -np.inf
+    x[6, 10:] = -np.inf
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == np.int32
+    x[7, 3] = np.nan
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    assert 0 <= got[7] < 50, "a NaN row must still give a valid token id"
