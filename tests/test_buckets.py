@@ -5,9 +5,16 @@ from jaxrunner.buckets import (Bucket, all_buckets, decode_buckets, extend_bucke
 from jaxrunner.forward_mode import ForwardMode
 
 
-def test_decode_buckets_are_powers_of_two_up_to_the_max():
-    assert [b.num_reqs for b in decode_buckets(48)] == [2, 4, 8, 16, 32, 48]
+def test_decode_buckets_pad_by_under_8_rows_to_64_and_under_a_quarter_past():
+    assert [b.num_reqs for b in decode_buckets(48)] == [2, 4, 8, 16, 24, 32, 40, 48]
+    assert [b.num_reqs for b in decode_buckets(160)] == [
+        2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160]
+    assert [b.num_reqs for b in decode_buckets(100)][-2:] == [96, 100]
     assert all(b.num_tokens == b.num_reqs for b in decode_buckets(48))
+    buckets = decode_buckets(512)
+    for batch in range(9, 513):
+        padded = pick_bucket(buckets, ForwardMode.DECODE, batch, batch).num_reqs
+        assert (padded - batch < 8) if batch <= 64 else (padded < batch * 1.25), (batch, padded)
     # A lone request decodes in a bucket of 2 (see MIN_DECODE_BATCH).
     assert [b.num_reqs for b in decode_buckets(1)] == [2]
 
