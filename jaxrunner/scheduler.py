@@ -175,6 +175,7 @@ class Scheduler:
             pages=(self.allocator.num_free + self.tree_cache.evictable_pages - reserved
                    - self._decode_pages(decoding)))
         reqs, lens = [], []
+        partial = None  # the request this step leaves with its prompt unfinished: at most one
         if self.chunked_req is not None:
             req = self.chunked_req
             n = min(req.seq_len - req.num_computed_tokens, self.chunk_size, budget.tokens)
@@ -188,14 +189,17 @@ class Scheduler:
             lens.append(n)
             budget.tokens -= n
             budget.pages -= pages
+            if req.num_computed_tokens + n < req.seq_len:
+                partial = req
+        # A chunked prompt's last chunk leaves room for new requests in the same step.
         for req in order_waiting(self.waiting, args.schedule_policy, self.tree_cache):
-            if self.chunked_req is not None or budget.tokens <= 0 or budget.reqs <= 0:
+            if partial is not None or budget.tokens <= 0 or budget.reqs <= 0:
                 break
             match = self.tree_cache.match_prefix(req.fill_ids, max_tokens=req.seq_len - 1)
             remaining = req.seq_len - match.num_tokens
+            # A prompt longer than what is left of the budget is chunked to fill it (as SGLang
+            # does): the step then runs in its bucket without padding tokens.
             n = min(remaining, self.chunk_size, budget.tokens)
-            if n < remaining and reqs and self.chunk_size >= remaining:
-                break  # would fit unchunked in a later step: don't split it needlessly
             pages = (_pages(match.num_tokens + n, self.page_size) - len(match.pages)
                      + future_pages(req, self.page_size, self.new_token_ratio))
             # Locking the matched prefix takes its pages out of the evictable ones.
@@ -211,7 +215,7 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             if n < remaining:
-                self.chunked_req = req
+                partial = self.chunked_req = req
         return (reqs, lens) if reqs else None
 
     def _take_prefix(self, req: Req, match) -> None:
