@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels_cpu  # noqa: E402
 from kernels_pallas import ragged_paged_attention  # noqa: E402
 
 # Peak HBM bandwidth in bytes/s, matched as a substring of jax's device_kind (first match).
@@ -92,9 +93,13 @@ def bytes_moved(scenario: Scenario, args) -> int:
 
 
 def time_backend(batch, backend: str, interpret: bool, args) -> list[float]:
-    fn = jax.jit(lambda *a: ragged_paged_attention(
-        *a, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
-        soft_cap=args.soft_cap, backend=backend, interpret=interpret))
+    kwargs = dict(sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
+                  soft_cap=args.soft_cap)
+    if backend == "cpu":  # the C++ kernel (kernels_cpu), same contract
+        fn = jax.jit(lambda *a: kernels_cpu.ragged_paged_attention_cpu(*a, **kwargs))
+    else:
+        fn = jax.jit(lambda *a: ragged_paged_attention(*a, **kwargs, backend=backend,
+                                                       interpret=interpret))
     for _ in range(args.warmup):
         fn(*batch).block_until_ready()
     times = []
@@ -106,7 +111,8 @@ def time_backend(batch, backend: str, interpret: bool, args) -> list[float]:
 
 
 def default_backends(platform: str, interpret: bool) -> list[tuple[str, bool]]:
-    runs = {"tpu": [("tpu", False)], "gpu": [("gpu", False)]}.get(platform, [])
+    runs = {"tpu": [("tpu", False)], "gpu": [("gpu", False)],
+            "cpu": [("cpu", False)]}.get(platform, [])
     runs.append(("reference", False))
     if platform == "cpu" and interpret:
         runs += [("tpu", True), ("gpu", True)]
@@ -118,7 +124,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenarios", nargs="+", default=["decode", "prefill", "mixed"],
                         choices=["decode", "prefill", "mixed"])
-    parser.add_argument("--backends", nargs="+", choices=["tpu", "gpu", "reference"],
+    parser.add_argument("--backends", nargs="+", choices=["tpu", "gpu", "cpu", "reference"],
                         help="default: this platform's kernel and the reference")
     parser.add_argument("--interpret", action="store_true",
                         help="run the kernels in interpret mode (CPU; use small shapes)")
