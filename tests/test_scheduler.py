@@ -90,3 +90,34 @@ def test_policies_order_by_priority_then_arrival_or_cached_prefix():
                   _req(3, [4, 4], priority=1))
     assert order_waiting([b, a, d, c], "fcfs", tree) == [d, a, b, c]
     assert order_waiting([a, b, c, d], "lpm", tree) == [d, b, c, a]
+
+
+def test_prefill_fills_the_token_budget_and_a_last_chunk_shares_its_step(
+        checkpoint, engine_kwargs, monkeypatch):
+    """A prompt that does not fit what is left of a step's tokens is chunked to fill them, and
+    its last chunk runs together with the next waiting prompt (padding-free prefill steps)."""
+    from jaxrunner.scheduler import Scheduler
+    steps = []
+    run_batch = Scheduler._run_batch
+
+    def recording(self, batch):
+        if not batch.forward_mode.is_decode():
+            steps.append(list(batch.extend_lens))
+        return run_batch(self, batch)
+
+    monkeypatch.setattr(Scheduler, "_run_batch", recording)
+    engine = Engine(model_path=str(checkpoint("tiny-llama")),
+                    **dict(engine_kwargs, disable_overlap_schedule=True))
+    try:
+        budget = engine.args.max_prefill_tokens
+        rng = np.random.default_rng(5)
+        lens = (budget * 3 // 5, budget * 3 // 5, budget // 5)
+        prompts = [rng.integers(8, 1024, size=n).tolist() for n in lens]
+        outs = engine.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert [len(o["output_ids"]) for o in outs] == [2, 2, 2]
+    first_chunk = budget - lens[0]
+    assert steps[0] == [lens[0], first_chunk]
+    assert steps[1] == [lens[1] - first_chunk, lens[2]]
