@@ -42,9 +42,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-// Unaligned views for loads and stores from plain float arrays.
+// An unaligned view for loads and stores from plain float arrays.
 typedef float vf_u __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-typedef int32_t vi_u __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
 
 inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
