@@ -22,6 +22,8 @@ import jax
 import jaxlib
 import numpy as np
 
+from kernels_pallas.ragged_paged_attention import check_static_args
+
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
 _TARGET = "jaxrunner_ragged_paged_attention"
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast"]
@@ -116,7 +118,6 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
 
     float32 or bfloat16 (q and kv_cache alike), float32 accumulation; padded tokens give zeros.
     """
-    from kernels_pallas.ragged_paged_attention import check_static_args
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                       sliding_window, soft_cap)
     if q.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):

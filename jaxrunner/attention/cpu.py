@@ -6,15 +6,11 @@ decode layer at batch 64 and 512 cached tokens takes 1.6 ms against native's 5.5
 prefill layer 5.7 ms against about 20 ms.
 """
 
-import jax.numpy as jnp
-
 import kernels_cpu
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.attention.pallas import RaggedMetadata, ragged_metadata
 from jaxrunner.forward_batch import ForwardBatch
 from kernels_pallas import update_kv_cache
-
-KV_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -26,9 +22,6 @@ class CpuAttentionBackend(AttentionBackend):
         return ragged_metadata(forward_batch)
 
     def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata: RaggedMetadata):
-        if kv_cache.dtype not in KV_DTYPES:
-            raise ValueError(f"the cpu attention backend reads float32 or bfloat16 KV caches, "
-                             f"not {kv_cache.dtype}; use attention_backend='native'")
         kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
         out = kernels_cpu.ragged_paged_attention_cpu(
             q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens, forward_batch.page_table,
