@@ -94,6 +94,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# The benchmark model at Llama-3-8B's depth: start-up must not grow with the layer count.
+PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
+
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -379,7 +382,14 @@ def tensor_shapes(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """One tensor, seeded by (seed, name): values do not depend on dtype, sharding or order."""
+    """One tensor, seeded by (seed, name): values do not depend on dtype, sharding or order.
+    Always float32, so a bfloat16 checkpoint rounds the float32 checkpoint's values (numpy
+    scalars of the scales below would otherwise make some tensors float64, rounded to bfloat16
+    differently)."""
+    return _init_values(name, shape, seed).astype(np.float32)
+
+
+def _init_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     x = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("norm.weight"):
