@@ -98,6 +98,16 @@ def all_buckets(max_prefill_tokens: int, max_running_requests: int) -> list[Buck
             + extend_buckets(max_prefill_tokens, max_running_requests))
 
 
+def executable_mode(mode: ForwardMode) -> ForwardMode:
+    """The bucket family a batch of `mode` runs in: DECODE, or EXTEND for EXTEND and MIXED (a
+    MIXED batch's decode rows are one-token chunks)."""
+    if mode.is_decode():
+        return ForwardMode.DECODE
+    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        return ForwardMode.EXTEND
+    raise ValueError(f"forward mode {mode.name} has no buckets")
+
+
 def pick_bucket(buckets: list[Bucket], mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
     """The smallest bucket of `mode` that holds the batch (fewest padded tokens, then requests)."""
     fitting = [b for b in buckets

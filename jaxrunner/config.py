@@ -30,11 +30,12 @@ class EngineArgs:
     page_size: int = 16
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.8
-    # How many requests decode together (also the largest decode bucket).
-    max_running_requests: int = 64
+    # How many requests decode together (also the largest decode bucket). None: chosen from the
+    # platform and the KV capacity (jaxrunner/defaults.py).
+    max_running_requests: int | None = None
     # Token budget of one prefill step (the largest extend bucket); longer prompts are split into
-    # chunks of this size.
-    max_prefill_tokens: int = 2048
+    # chunks of this size. None: chosen as max_running_requests is.
+    max_prefill_tokens: int | None = None
 
     # Prompt tokens prefilled per step for one request (SGLang's chunked_prefill_size); None
     # means max_prefill_tokens. Must not exceed max_prefill_tokens.
@@ -87,12 +88,15 @@ class EngineArgs:
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tp_size",
-                     "dp_size", "nnodes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+        for name in ("page_size", "tp_size", "dp_size", "nnodes"):
+            if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.chunked_prefill_size is not None and not (
-                0 < self.chunked_prefill_size <= self.max_prefill_tokens):
+        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.chunked_prefill_size is not None and self.max_prefill_tokens is not None and (
+                self.chunked_prefill_size > self.max_prefill_tokens):
             raise ValueError(f"chunked_prefill_size must be in [1, max_prefill_tokens="
                              f"{self.max_prefill_tokens}], got {self.chunked_prefill_size}")
         if not self.schedule_conservativeness >= 0:
@@ -118,6 +122,11 @@ class EngineArgs:
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 
+    @property
+    def chunk_size(self) -> int:
+        """Prompt tokens one request prefills per step (after `resolved`)."""
+        return self.chunked_prefill_size or self.max_prefill_tokens
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
         """Builds args from keyword arguments, naming any that `EngineArgs` does not know."""
@@ -126,3 +135,7 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -6,15 +6,15 @@ import numbers
 import random
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.dp_scheduler import DataParallelScheduler
-from jaxrunner.model_runner import ModelRunner
+from jaxrunner.model_worker import ModelWorker
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.schedule_batch import Req
 from jaxrunner.scheduler import Scheduler
+from jaxrunner.tokenizer import load_tokenizer
 from models.config import ModelConfig
 
 
@@ -27,26 +27,27 @@ class Engine:
                            sampling_params={"max_new_tokens": 8, "temperature": 0.0})
     engine.shutdown()
     ```
-    Arguments are the fields of `EngineArgs`.
+    Arguments are the fields of `EngineArgs`; `engine.args` holds them with every limit left
+    out resolved for this machine (jaxrunner/defaults.py).
     """
 
     def __init__(self, **kwargs):
-        self.args = EngineArgs.from_kwargs(**kwargs)
-        self.model_config = ModelConfig.from_pretrained(self.args.model_path)
+        args = EngineArgs.from_kwargs(**kwargs)
+        self.model_config = ModelConfig.from_pretrained(args.model_path)
         self.tokenizer = None
-        if not self.args.skip_tokenizer_init:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.args.tokenizer_path
-                                                           or self.args.model_path)
+        if not args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.compile_monitor = CompileMonitor()
-        self.runner = ModelRunner(self.args, self.model_config, self.compile_monitor)
+        self.worker = ModelWorker(args, self.model_config, self.compile_monitor)
+        self.args = self.worker.args
         if self.args.disallow_compile_after_warmup:
             self.compile_monitor.forbid()
         decode_text = self._decode if self.tokenizer else None
         if self.args.dp_size > 1:
-            self.scheduler = DataParallelScheduler(self.runner, decode_text)
+            self.scheduler = DataParallelScheduler(self.worker, decode_text)
             self._rank_schedulers = self.scheduler.ranks
         else:
-            self.scheduler = Scheduler(self.runner, decode_text)
+            self.scheduler = Scheduler(self.worker, decode_text)
             self._rank_schedulers = [self.scheduler]
         self._rids = itertools.count()
         self._seeds = random.Random(self.args.random_seed)
@@ -56,14 +57,19 @@ class Engine:
         gc.freeze()
 
     @property
+    def runner(self):
+        """The worker's ModelRunner (tests and tools read its facts)."""
+        return self.worker.model_runner
+
+    @property
     def context_len(self) -> int:
-        return self.runner.context_len
+        return self.worker.context_len
 
     @property
     def max_req_len(self) -> int:
         """Longest prompt + output one request may reach: the context, or the whole KV cache
         when that is smaller (so a lone request can always finish)."""
-        return min(self.context_len, self.runner.max_total_tokens)
+        return min(self.context_len, self.worker.max_total_tokens)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -202,7 +208,7 @@ class Engine:
                 "kv_pages_free": sum(s.allocator.num_free + s.tree_cache.evictable_pages
                                      for s in ranks),
                 "kv_pages_cached": sum(s.tree_cache.total_pages for s in ranks),
-                "req_slots_total": sum(s.req_to_token_pool.page_table.shape[0] for s in ranks),
+                "req_slots_total": sum(s.req_to_token_pool.num_slots for s in ranks),
                 "req_slots_free": sum(s.req_to_token_pool.num_free_slots for s in ranks),
                 "num_requests_waiting": len(self.scheduler.waiting)}
 
@@ -212,7 +218,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self.compile_monitor.close()
-        self.runner = None
+        self.worker = None
         self.scheduler = None
         self._rank_schedulers = []
 

@@ -1,14 +1,10 @@
-"""KV memory: the page allocator, the request -> pages table and the per-layer KV cache arrays.
+"""Host-side KV bookkeeping: the page allocator and the request -> pages table.
 
-Layout (DESIGN.md): each layer's cache is `[num_pages, page_size, 2 * num_kv_heads, head_dim]`
-with K in the even and V in the odd slots of axis 2, the layout the Pallas kernels read. Page 0
-is the dummy page: padded token slots write there and no request ever owns it.
+Plain numpy, no device arrays: the scheduler owns these and imports nothing from jax. The KV
+cache itself (the device arrays the pages index into) is `jaxrunner.kv_cache.TokenToKVPool`.
+Page 0 is the dummy page: padded token slots write there and no request ever owns it.
 """
 
-from functools import partial
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 DUMMY_PAGE = 0
@@ -64,6 +60,10 @@ class ReqToTokenPool:
         return self.page_table.shape[1]
 
     @property
+    def num_slots(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
@@ -90,45 +90,3 @@ class ReqToTokenPool:
         self.num_pages[slot] = 0
         self._free_slots.append(slot)
         return pages
-
-
-class TokenToKVPool:
-    """The device KV cache: one array per layer, replaced by each step's donated output."""
-
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype, sharding=None):
-        self.page_size = page_size
-        self.shape = (num_pages, page_size, 2 * num_kv_heads, head_dim)
-        self.dtype = jnp.dtype(dtype)
-        # Zeros made on the devices, each in its own shards: no host copy of the cache, and a
-        # sharding that spans several processes (multi-host) works the same way. One compile.
-        zeros = jax.jit(partial(jnp.zeros, self.shape, self.dtype), out_shardings=sharding)
-        self.kv_caches = [zeros() for _ in range(num_layers)]
-
-    @property
-    def bytes(self) -> int:
-        return len(self.kv_caches) * int(np.prod(self.shape)) * self.dtype.itemsize
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    return num_layers * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-
-
-def available_kv_memory(device, weights_bytes: int, mem_fraction_static: float) -> int:
-    """Bytes the KV cache may use: `mem_fraction_static` of the device's memory, less the weights.
-
-    Accelerators report their memory; on a CPU we take the host's available memory.
-    """
-    stats = device.memory_stats()  # None on CPU
-    if stats and "bytes_limit" in stats:
-        total = stats["bytes_limit"]
-        return int(total * mem_fraction_static) - weights_bytes
-    return int(_host_available_bytes() * mem_fraction_static) - weights_bytes
-
-
-def _host_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")

@@ -1,12 +1,16 @@
 """ModelRunner: owns the model, the KV memory, the attention backend and the compiled executables.
 
 Initialisation follows SGLang's order: load model -> configure KV dtype -> init memory pool ->
-init attention backend -> precompile (SGLang's CUDA-graph capture). `forward` replays the
-executable of the batch's bucket; `sample` is a separate executable per padded request count.
-It knows nothing about scheduling policy.
+init attention backend -> precompile (SGLang's CUDA-graph capture). `forward` sends each
+`ForwardMode` to a path of its own (the seed's `_forward_raw`) and replays the executable of the
+batch's bucket; `sample` is a separate executable per padded request count. It knows nothing
+about scheduling policy.
 """
 
+import dataclasses
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -16,21 +20,21 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxrunner import distributed
+from jaxrunner import defaults, distributed
 from jaxrunner.attention import AttentionConfig, create_attention_backend, resolve_backend_name
-from jaxrunner.buckets import Bucket, all_buckets, sample_batch_sizes
+from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, pick_bucket,
+                               sample_batch_sizes)
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
-from jaxrunner.dp_attention import stacked_positions
-from jaxrunner.forward_batch import ForwardBatch, prepare_on_device
+from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
-from jaxrunner.memory_pool import (PageAllocator, ReqToTokenPool, TokenToKVPool,
-                                   available_kv_memory, kv_bytes_per_token)
+from jaxrunner.kv_cache import TokenToKVPool, available_kv_memory, kv_bytes_per_token
+from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.parallel import Parallelism, data_parallel_step
-from jaxrunner.sampler import SamplingBatch, sample
-from models.registry import model_class
+from jaxrunner.sampler import SamplingBatch, abstract_sampling_batch, sample
 from models.config import ModelConfig
 from models.loader import load_model
+from models.registry import model_class
 from models.sharding import ShardedPlacer, sharded_model_config
 
 logger = logging.getLogger(__name__)
@@ -43,16 +47,22 @@ class LogitsOutput:
     hidden_states: jax.Array      # [T, D] with CaptureHiddenMode.FULL, [R, D] with LAST, else [0, D]
 
 
+class ForwardModeNotImplemented(NotImplementedError):
+    """A batch asked for a forward mode the runner has no path for."""
+
+
 def _resolve_dtype(name: str, cfg: ModelConfig):
     if name == "auto":
         name = cfg.torch_dtype if cfg.torch_dtype in ("float32", "bfloat16") else "bfloat16"
     return jnp.dtype(name)
 
 
-def _forward_step(graphdef, backend, state, kv_caches, fb: ForwardBatch):
-    """The compiled step: decoder over all tokens, logits at each request's last token."""
+def _forward_step(graphdef, backend, state, kv_cache, fb: ForwardBatch):
+    """The compiled step: the inputs still on the device and the positions, the decoder over all
+    tokens, logits at each request's last token."""
+    fb = fb.prepare()
     model = nnx.merge(graphdef, state)
-    hidden, kv_caches = model(fb, kv_caches, backend)
+    hidden, kv_cache = model(fb, kv_cache, backend)
     last_hidden = hidden[fb.last_token_indices]
     if fb.capture_hidden_mode.is_full():
         captured = hidden
@@ -60,13 +70,21 @@ def _forward_step(graphdef, backend, state, kv_caches, fb: ForwardBatch):
         captured = last_hidden
     else:
         captured = hidden[:0]
-    return LogitsOutput(model.compute_logits(last_hidden), captured), kv_caches
+    return LogitsOutput(model.compute_logits(last_hidden), captured), kv_cache
+
+
+def _sample_padded(logits, sampling: SamplingBatch, *, num_rows: int):
+    tokens, logprobs = sample(logits, sampling)
+    pad = (0, num_rows - tokens.shape[0])
+    return jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
 
 
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_config: ModelConfig,
-                 compile_monitor: CompileMonitor | None = None):
-        self.args = args
+                 compile_monitor: CompileMonitor | None = None, *, abstract: bool = False):
+        """`abstract`: build from shapes alone, with no weights read and no KV memory, and only
+        compile (`compile_only`)."""
+        self.abstract = abstract
         self.model_config = model_config
         distributed.initialize(args)  # multi-host: before anything touches a device
         self.parallel = Parallelism.create(args.tp_size, args.dp_size)
@@ -78,14 +96,25 @@ class ModelRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         self.context_len = args.context_length or model_config.max_position_embeddings
+        self.args = self._with_platform_defaults(args)
         self.load_model()
         self.configure_kv_cache_dtype()
         self.init_memory_pool()
         self.init_attention_backend()
-        self.buckets = all_buckets(args.max_prefill_tokens, args.max_running_requests)
+        self.buckets = all_buckets(self.args.max_prefill_tokens, self.args.max_running_requests)
         self.precompile()
 
     # ---- initialisation, in order ----
+
+    def _with_platform_defaults(self, args: EngineArgs) -> EngineArgs:
+        """`args` with the limits the caller left out chosen for this platform
+        (jaxrunner/defaults.py); `init_memory_pool` caps them by the KV capacity."""
+        platform = self.device.platform
+        running = args.max_running_requests or defaults.default_max_running_requests(platform)
+        prefill = args.max_prefill_tokens or max(defaults.default_max_prefill_tokens(platform),
+                                                 args.chunked_prefill_size or 0)
+        self._auto_limits = (args.max_running_requests is None, args.max_prefill_tokens is None)
+        return dataclasses.replace(args, max_running_requests=running, max_prefill_tokens=prefill)
 
     def load_model(self) -> None:
         cfg = self.model_config
@@ -93,6 +122,12 @@ class ModelRunner:
         # The model as sharded: KV heads repeated up to tp_size (models/sharding.py).
         self.sharded_config = sharded_model_config(cfg, self.parallel.tp_size)
         place = ShardedPlacer.for_model(self.parallel.mesh, cfg)
+        if self.abstract:
+            self.graphdef, self.state = abstract_model(self.sharded_config, self.dtype, place)
+            self.weights_bytes = sum(
+                int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                for x in jax.tree.leaves(self.state))
+            return
         model = load_model(model_class(self.sharded_config), self.sharded_config,
                            self.args.model_path, self.dtype, place)
         self.graphdef, self.state = nnx.split(model)
@@ -125,22 +160,30 @@ class ModelRunner:
             raise ValueError(f"no memory left for the KV cache ({max_total_tokens} tokens); lower "
                              f"mem_fraction_static's load or pass max_total_tokens")
         self.max_total_tokens = (num_pages - 1) * args.page_size
+        running, prefill = defaults.fit_to_kv(args.max_running_requests,
+                                              args.max_prefill_tokens, self.max_total_tokens,
+                                              args.page_size)
+        auto_running, auto_prefill = self._auto_limits
+        self.args = args = dataclasses.replace(
+            args, max_running_requests=running if auto_running else args.max_running_requests,
+            max_prefill_tokens=prefill if auto_prefill else args.max_prefill_tokens)
+        if args.chunked_prefill_size is not None and (
+                args.chunked_prefill_size > args.max_prefill_tokens):
+            raise ValueError(f"chunked_prefill_size ({args.chunked_prefill_size}) exceeds "
+                             f"max_prefill_tokens ({args.max_prefill_tokens})")
         self.max_pages_per_req = -(-self.context_len // args.page_size)
-        self.allocator = PageAllocator(num_pages)
         # Requests that are prefilling also hold a slot, so allow one prefill batch on top.
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1,
-                                                self.max_pages_per_req)
+        slots = args.max_running_requests + 1
         # DP attention: every rank has num_pages pages of its own (local page ids) and its own
-        # request slots; rank 0's are `allocator` and `req_to_token_pool`.
+        # request slots.
         dp = self.parallel.dp_size
-        self.dp_allocators = [self.allocator] + [PageAllocator(num_pages) for _ in range(dp - 1)]
-        self.dp_req_to_token_pools = [self.req_to_token_pool] + [
-            ReqToTokenPool(args.max_running_requests + 1, self.max_pages_per_req)
-            for _ in range(dp - 1)]
+        self.allocators = [PageAllocator(num_pages) for _ in range(dp)]
+        self.req_to_token_pools = [ReqToTokenPool(slots, self.max_pages_per_req)
+                                   for _ in range(dp)]
         self.token_to_kv_pool = TokenToKVPool(cfg.num_hidden_layers, dp * num_pages,
                                               args.page_size, cfg.num_key_value_heads,
                                               cfg.head_dim, self.kv_cache_dtype,
-                                              self.parallel.kv_cache)
+                                              self.parallel.kv_cache, abstract=self.abstract)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, args.page_size,
                     self.token_to_kv_pool.bytes / 2**20)
 
@@ -151,22 +194,25 @@ class ModelRunner:
         attn_config = AttentionConfig(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.head_dim ** -0.5,
-            sliding_window=cfg.sliding_window)
+            num_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window)
         self.attn_backend = create_attention_backend(self.attention_backend_name, attn_config,
                                                      interpret=self.args.pallas_interpret,
                                                      mesh=self.parallel.mesh)
 
     def precompile(self) -> None:
-        """Compiles every bucket's step and sampler ahead of time (SGLang: CUDA-graph capture)."""
+        """Compiles every bucket's step and sampler ahead of time (SGLang: CUDA-graph capture),
+        several at once: XLA compiles outside the GIL, and the programs are independent."""
         # Logits leave the step whole (the sampler is not sharded); the KV cache keeps its
-        # sharding, so the donated buffers are reused step after step.
+        # sharding, so the donated buffer is reused step after step.
         # DP attention (jaxrunner/dp_attention.py): one step for all ranks, each over its row of
         # a [dp, ...] batch, sampling per rank.
         io_sharding = self.parallel.replicated
         # Every sampler returns max_batch_rows tokens, so the next step can read any row of
         # them on the device (overlapped scheduling) through one compiled shape.
         self.max_batch_rows = max(b.num_reqs for b in self.buckets)
-        self.no_prev_tokens = jax.device_put(np.zeros(self.max_batch_rows, np.int32), io_sharding)
+        self.no_prev_tokens = jax.device_put(
+            np.zeros(self._per_dp_shape(self.max_batch_rows), np.int32),
+            self.parallel.batch if self.parallel.dp_size > 1 else io_sharding)
         step = partial(_forward_step, self.graphdef, self.attn_backend)
         sample_fn = partial(_sample_padded, num_rows=self.max_batch_rows)
         if self.parallel.dp_size > 1:
@@ -182,35 +228,30 @@ class ModelRunner:
         sizes = sample_batch_sizes(self.buckets)
         progress = tqdm(total=len(self.buckets) + len(sizes), desc="compiling buckets",
                         disable=not self.args.show_progress)
-        for bucket in self.buckets:
-            self._compile_step(bucket, CaptureHiddenMode.NULL)
-            # Warm the position computation of this shape (a cached jit, not an AOT executable).
-            self._warm_positions(bucket)
-            progress.update()
-        for size in sizes:
-            spec = self._per_dp_rank(SamplingBatch.abstract(size))
-            logits = self._per_dp_rank(
-                jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32))
-            self.sample_executables[size] = self._sample_fn.lower(logits, spec).compile()
-            progress.update()
+        jobs = [partial(self._compile_step, b, CaptureHiddenMode.NULL) for b in self.buckets]
+        jobs += [partial(self._compile_sampler, size) for size in sizes]
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()
+                progress.update()
         progress.close()
         self.warm_compile_count = self.compile_monitor.count
 
     def _compile_step(self, bucket: Bucket, capture: CaptureHiddenMode):
         fb_spec = self._per_dp_rank(self.forward_batch_spec(bucket, capture))
-        compiled = self._step_fn.lower(self.state, self.token_to_kv_pool.kv_caches, fb_spec).compile()
+        compiled = self._step_fn.lower(self.state, self.token_to_kv_pool.kv_cache,
+                                       fb_spec).compile()
         self.executables[(bucket, capture)] = compiled
         return compiled
 
-    def _warm_positions(self, bucket: Bucket) -> None:
-        reqs = jax.device_put(np.zeros((3, bucket.num_reqs), np.int32))
-        tokens = jax.device_put(np.zeros((2, bucket.num_tokens), np.int32))
-        prepare_on_device(tokens[0], tokens[1], self.no_prev_tokens, reqs[0], reqs[1], reqs[2],
-                           num_tokens=bucket.num_tokens)
-        if self.parallel.dp_size > 1:
-            zeros = jax.device_put(np.zeros((self.parallel.dp_size, bucket.num_reqs), np.int32),
-                                   self.parallel.batch)
-            stacked_positions(zeros, zeros, zeros, num_tokens=bucket.num_tokens)
+    def _compile_sampler(self, size: int) -> None:
+        spec = self._per_dp_rank(abstract_sampling_batch(size))
+        logits = self._per_dp_rank(
+            jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32))
+        self.sample_executables[size] = self._sample_fn.lower(logits, spec).compile()
+
+    def _per_dp_shape(self, *shape) -> tuple:
+        return shape if self.parallel.dp_size == 1 else (self.parallel.dp_size, *shape)
 
     def _per_dp_rank(self, specs):
         """DP attention: every leaf of `specs` gets a leading [dp] axis over `data`."""
@@ -220,7 +261,8 @@ class ModelRunner:
             (self.parallel.dp_size, *s.shape), s.dtype, sharding=self.parallel.batch), specs)
 
     def forward_batch_spec(self, bucket: Bucket, capture=CaptureHiddenMode.NULL) -> ForwardBatch:
-        """The abstract ForwardBatch of a bucket, for lowering."""
+        """The abstract ForwardBatch of a bucket, for lowering (the fields `prepare` fills are
+        None, as at every call)."""
         T, R, P = bucket.num_tokens, bucket.num_reqs, self.max_pages_per_req
 
         def i32(*shape):
@@ -228,26 +270,39 @@ class ModelRunner:
 
         return ForwardBatch(
             forward_mode=bucket.mode, capture_hidden_mode=capture, batch_size=R,
-            input_ids=i32(T), req_pool_indices=i32(R), seq_lens=i32(R), out_cache_loc=i32(T),
-            positions=i32(T), seq_lens_sum=i32(), extend_num_tokens=i32(),
-            extend_seq_lens=i32(R), extend_prefix_lens=i32(R), extend_start_loc=i32(R),
-            token_to_req=i32(T), page_table=i32(R, P))
+            input_ids=i32(T), input_token_src=i32(T), prev_tokens=i32(self.max_batch_rows),
+            out_cache_loc=i32(T), seq_lens=i32(R), extend_seq_lens=i32(R),
+            extend_prefix_lens=i32(R), page_table=i32(R, P))
 
     # ---- serving ----
 
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
-        """Runs one step, dispatching by mode; updates the KV cache in place (donated)."""
-        if fb.forward_mode.is_idle():
-            return self._idle_output()
-        if fb.forward_mode.is_decode():
-            mode = ForwardMode.DECODE
-        elif fb.forward_mode.is_extend():
-            # MIXED and the other ragged modes compute exactly what EXTEND does.
-            mode = ForwardMode.EXTEND
-            fb = fb.replace(forward_mode=mode)
-        else:
-            raise ValueError(f"cannot run forward mode {fb.forward_mode.name}")
-        bucket = Bucket(mode, fb.num_tokens, fb.batch_size)
+        """Runs one step: each forward mode has a path of its own; a mode without one raises.
+        Updates the KV cache in place (donated)."""
+        if self.abstract:
+            raise RuntimeError("an abstract ModelRunner (compile_only) has no weights to run")
+        mode = fb.forward_mode
+        if mode.is_decode():
+            return self.forward_decode(fb)
+        if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            return self.forward_extend(fb)
+        if mode.is_idle():
+            raise ForwardModeNotImplemented(
+                "forward mode IDLE has no step of its own: a data-parallel rank without work "
+                "takes part in its ranks' joint step as padding rows (jaxrunner/dp_attention.py)")
+        raise ForwardModeNotImplemented(f"forward mode {mode.name} is not implemented")
+
+    def forward_decode(self, fb: ForwardBatch) -> LogitsOutput:
+        """One token per request, bucketed by batch size (the seed's CUDA-graph replay)."""
+        return self._replay(Bucket(ForwardMode.DECODE, fb.num_tokens, fb.batch_size), fb)
+
+    def forward_extend(self, fb: ForwardBatch) -> LogitsOutput:
+        """EXTEND and MIXED: ragged chunks per request. A MIXED batch's decode rows are one-token
+        chunks, so it computes exactly what EXTEND does, through the same executables."""
+        fb = fb.replace(forward_mode=ForwardMode.EXTEND)
+        return self._replay(Bucket(ForwardMode.EXTEND, fb.num_tokens, fb.batch_size), fb)
+
+    def _replay(self, bucket: Bucket, fb: ForwardBatch) -> LogitsOutput:
         key = (bucket, fb.capture_hidden_mode)
         executable = self.executables.get(key)
         if executable is None:
@@ -256,30 +311,42 @@ class ModelRunner:
                                    f"{fb.capture_hidden_mode.name}")
             # Hidden-state capture is compiled on first use: it is not a serving path.
             executable = self._compile_step(bucket, fb.capture_hidden_mode)
-        output, kv_caches = executable(self.state, self.token_to_kv_pool.kv_caches, fb)
-        self.token_to_kv_pool.kv_caches = kv_caches
+        output, kv_cache = executable(self.state, self.token_to_kv_pool.kv_cache, fb)
+        self.token_to_kv_pool.kv_cache = kv_cache
         return output
-
-    def _idle_output(self) -> LogitsOutput:
-        # No request on this rank: nothing to run until data-parallel attention needs lock-step.
-        V, D = self.model_config.vocab_size, self.model_config.hidden_size
-        return LogitsOutput(np.zeros((0, V), np.float32), np.zeros((0, D), self.dtype))
 
     def sample(self, logits_output: LogitsOutput, sampling: SamplingBatch):
         """-> (token ids i32[max_batch_rows], logprobs f32[max_batch_rows]) on the device; rows
         past the batch's are padding."""
         logits = logits_output.next_token_logits
-        return self.sample_executables[logits.shape[0]](logits, sampling)
+        return self.sample_executables[logits.shape[-2]](logits, sampling)
+
+    def pick_bucket(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
+        """The precompiled bucket a batch of `mode` pads to."""
+        return pick_bucket(self.buckets, executable_mode(mode), num_tokens, num_reqs)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """Logits of captured hidden states (tests and tools; compiles per shape)."""
         return _compute_logits(self.graphdef, self.state, hidden)
 
 
-def _sample_padded(logits, sampling: SamplingBatch, *, num_rows: int):
-    tokens, logprobs = sample(logits, sampling)
-    pad = (0, num_rows - tokens.shape[0])
-    return jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
+def compile_only(args: EngineArgs, model_config: ModelConfig,
+                 compile_monitor: CompileMonitor | None = None) -> ModelRunner:
+    """A runner built from the config's shapes alone (no checkpoint read, no KV memory) with
+    every bucket compiled: what start-up compiles, for measuring it and for filling a persistent
+    compilation cache (`compilation_cache_dir`) before serving."""
+    return ModelRunner(args, model_config, compile_monitor, abstract=True)
+
+
+def abstract_model(cfg: ModelConfig, dtype, place: ShardedPlacer):
+    """(graphdef, state of ShapeDtypeStructs carrying each parameter's sharding)."""
+    abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    for path, variable in flat:
+        variable.set_value(jax.ShapeDtypeStruct(variable.shape, variable.dtype,
+                                                sharding=place.sharding(path, variable.shape)))
+    return graphdef, nnx.from_flat_state(flat)
 
 
 @partial(jax.jit, static_argnums=0)

@@ -48,8 +48,8 @@ class Parallelism:
 
     mesh: Mesh
     replicated: NamedSharding       # inputs, metadata, logits
-    # [dp * num_pages, page_size, 2 * K, Dh]: each DP rank's pages on its mesh row, heads over
-    # `tensor`.
+    # [L, dp * num_pages, page_size, 2 * K, Dh]: each DP rank's pages on its mesh row, heads
+    # over `tensor`.
     kv_cache: NamedSharding
     heads: NamedSharding            # q/k/v [T, H or K, Dh]: heads over `tensor`
     batch: NamedSharding            # DP attention inputs [dp, ...]: one row per DP rank
@@ -59,7 +59,7 @@ class Parallelism:
         mesh = make_mesh(tp_size, dp_size, devices)
         return cls(mesh=mesh,
                    replicated=NamedSharding(mesh, P()),
-                   kv_cache=NamedSharding(mesh, P(DATA_AXIS, None, TENSOR_AXIS, None)),
+                   kv_cache=NamedSharding(mesh, P(None, DATA_AXIS, None, TENSOR_AXIS, None)),
                    heads=NamedSharding(mesh, P(None, TENSOR_AXIS, None)),
                    batch=NamedSharding(mesh, P(DATA_AXIS)))
 
@@ -92,18 +92,19 @@ def check_tp_size(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
 
 
 def data_parallel_step(step: Callable, mesh: Mesh) -> Callable:
-    """`step(state, kv_caches, fb) -> (out, kv_caches)` run once per DP rank (DP attention).
+    """`step(state, kv_cache, fb) -> (out, kv_cache)` run once per DP rank (DP attention).
 
-    The batch's arrays carry a leading [dp] axis and the KV caches `dp * num_pages` pages; each
-    rank gets its row of the batch and its own pages (its page ids are local), while the weights
-    stay whole over `data` and GSPMD keeps sharding them over `tensor` inside (the shard_map is
-    manual over `data` only). The outputs come back stacked: [dp, ...].
+    The batch's arrays carry a leading [dp] axis and the KV cache [L, dp * num_pages, ...] each
+    rank's pages; each rank gets its row of the batch and its own pages (its page ids are local),
+    while the weights stay whole over `data` and GSPMD keeps sharding them over `tensor` inside
+    (the shard_map is manual over `data` only). The outputs come back stacked: [dp, ...].
     """
-    def per_rank(state, kv_caches, fb):
+    def per_rank(state, kv_cache, fb):
         fb = jax.tree.map(lambda x: x[0], fb)
-        out, kv_caches = step(state, kv_caches, fb)
-        return jax.tree.map(lambda x: x[None], out), kv_caches
+        out, kv_cache = step(state, kv_cache, fb)
+        return jax.tree.map(lambda x: x[None], out), kv_cache
 
-    return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)),
-                         out_specs=(P(DATA_AXIS), P(DATA_AXIS)), axis_names={DATA_AXIS},
+    kv_spec = P(None, DATA_AXIS)
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), kv_spec, P(DATA_AXIS)),
+                         out_specs=(P(DATA_AXIS), kv_spec), axis_names={DATA_AXIS},
                          check_vma=False)

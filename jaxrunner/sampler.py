@@ -23,69 +23,22 @@ are array values, so one executable per batch shape serves every mix.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxrunner.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from jaxrunner.sampling_batch import FIELDS, SamplingBatch
+from jaxrunner.sampling_params import GREEDY_TEMPERATURE
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingBatch:
-    """Per-row sampling parameters of a padded batch of R request slots; all fields are data."""
+# The host-side batch becomes a pytree here, where jax is imported: the scheduler packs it
+# without jax, the compiled sampler takes it as array data.
+jax.tree_util.register_dataclass(SamplingBatch, data_fields=list(FIELDS), meta_fields=[])
 
-    temperatures: jax.Array  # f32[R]; 0 = greedy
-    top_ps: jax.Array  # f32[R]; 1 = off
-    top_ks: jax.Array  # i32[R]; 0 = off (whole vocabulary)
-    min_ps: jax.Array  # f32[R]; 0 = off
-    seeds: jax.Array  # u32[R]; per request
-    steps: jax.Array  # i32[R]; tokens the request has sampled so far
 
-    @classmethod
-    def from_params(
-        cls,
-        params_list: list[SamplingParams],
-        steps: list[int],
-        seeds: list[int],
-        padded_size: int,
-    ) -> SamplingBatch:
-        """Packs verified params into host numpy arrays; rows past len(params_list) are greedy.
-
-        `seeds[i]` is request i's resolved seed (its `params.seed`, or one the engine drew), taken
-        modulo 2**32. No jax ops run here: the caller moves the batch with one `jax.device_put`.
-        """
-        n = len(params_list)
-        if not len(steps) == len(seeds) == n <= padded_size:
-            raise ValueError(
-                f"{n} params, {len(steps)} steps, {len(seeds)} seeds, padded_size {padded_size}"
-            )
-        temperatures = np.zeros(padded_size, np.float32)
-        top_ps = np.ones(padded_size, np.float32)
-        top_ks = np.zeros(padded_size, np.int32)
-        min_ps = np.zeros(padded_size, np.float32)
-        for i, p in enumerate(params_list):
-            if p.is_greedy:
-                continue  # leave the neutral greedy row, so it never asks for the sort
-            temperatures[i] = p.temperature
-            top_ps[i] = p.top_p
-            top_ks[i] = max(p.top_k, 0)  # -1 and 0 both mean off
-            min_ps[i] = p.min_p
-        seeds_u32 = np.zeros(padded_size, np.uint32)
-        seeds_u32[:n] = [s % 2**32 for s in seeds]
-        steps_i32 = np.zeros(padded_size, np.int32)
-        steps_i32[:n] = steps
-        return cls(temperatures, top_ps, top_ks, min_ps, seeds_u32, steps_i32)
-
-    @classmethod
-    def abstract(cls, padded_size: int) -> SamplingBatch:
-        """Shapes and dtypes of a batch of `padded_size` rows, for ahead-of-time lowering."""
-        f32 = jax.ShapeDtypeStruct((padded_size,), jnp.float32)
-        i32 = jax.ShapeDtypeStruct((padded_size,), jnp.int32)
-        u32 = jax.ShapeDtypeStruct((padded_size,), jnp.uint32)
-        return cls(f32, f32, i32, f32, u32, i32)
+def abstract_sampling_batch(padded_size: int) -> SamplingBatch:
+    """Shapes and dtypes of a batch of `padded_size` rows, for ahead-of-time lowering."""
+    return SamplingBatch(**{name: jax.ShapeDtypeStruct((padded_size,), dtype)
+                            for name, dtype in FIELDS.items()})
 
 
 def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:

@@ -2,7 +2,7 @@
 
 `SamplingParams` is what a client sends with a request. It is plain host data: the engine checks it
 once with `verify(vocab_size)` when the request arrives and packs many of them into a device batch
-with `jaxrunner.sampler.SamplingBatch.from_params`.
+with `jaxrunner.sampling_batch.SamplingBatch.from_params`.
 """
 
 from __future__ import annotations

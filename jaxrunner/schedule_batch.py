@@ -1,8 +1,9 @@
 """Host-side batches: `Req`, `ScheduleBatch` (requests and KV allocation) and `ModelWorkerBatch`
 (the padded numpy arrays one model step needs).
 
-ScheduleBatch never builds device arrays; ModelWorkerBatch pads to a bucket exactly once, and
-`ForwardBatch.init_new` moves it to the device in one transfer.
+Nothing here touches jax: ScheduleBatch never builds device arrays; ModelWorkerBatch pads to a
+bucket exactly once, and the model worker moves it to the device in one transfer
+(`ForwardBatch.init_new`).
 """
 
 from dataclasses import dataclass, field
@@ -10,9 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxrunner.buckets import Bucket
-from jaxrunner.forward_mode import ForwardMode
+from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
-from jaxrunner.sampler import SamplingBatch
+from jaxrunner.sampling_batch import SamplingBatch
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -88,12 +89,25 @@ class ModelWorkerBatch:
     # it). Overlapped scheduling builds a step before the previous one's tokens are known.
     input_token_src: np.ndarray
     out_cache_loc: np.ndarray      # i32[T]: KV slot of each token; padding -> the dummy page
-    req_pool_indices: np.ndarray   # i32[R]
     seq_lens: np.ndarray           # i32[R]: KV length after this step; padding -> 0
     extend_seq_lens: np.ndarray    # i32[R]: new tokens per request (1 in decode); padding -> 0
     extend_prefix_lens: np.ndarray  # i32[R]: tokens already cached per request
     page_table: np.ndarray         # i32[R, max_pages_per_req]
     sampling: SamplingBatch        # numpy leaves, R rows
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+
+    @classmethod
+    def padding(cls, bucket: Bucket, page_size: int, max_pages_per_req: int) -> "ModelWorkerBatch":
+        """A batch of padding only (an IDLE data-parallel rank): no request, every token writes
+        the dummy page."""
+        T, R = bucket.num_tokens, bucket.num_reqs
+        zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(R, np.int32)
+        return cls(forward_mode=ForwardMode.IDLE, bucket=bucket, num_reqs=0, num_tokens=0,
+                   input_ids=zeros_t, input_token_src=np.full(T, -1, np.int32),
+                   out_cache_loc=np.full(T, DUMMY_PAGE * page_size, np.int32),
+                   seq_lens=zeros_r, extend_seq_lens=zeros_r, extend_prefix_lens=zeros_r,
+                   page_table=np.full((R, max_pages_per_req), DUMMY_PAGE, np.int32),
+                   sampling=SamplingBatch.padding(R))
 
 
 class ScheduleBatch:
@@ -149,7 +163,6 @@ class ScheduleBatch:
         input_ids = np.zeros(T, np.int32)
         input_token_src = np.full(T, -1, np.int32)
         out_cache_loc = np.full(T, DUMMY_PAGE * self.page_size, np.int32)
-        req_pool_indices = np.zeros(R, np.int32)
         seq_lens = np.zeros(R, np.int32)
         extend_seq_lens = np.zeros(R, np.int32)
         extend_prefix_lens = np.zeros(R, np.int32)
@@ -167,7 +180,6 @@ class ScheduleBatch:
             pages = self.req_to_token_pool.page_table[slot]
             out_cache_loc[start:start + n] = (pages[token_idx // self.page_size] * self.page_size
                                               + token_idx % self.page_size)
-            req_pool_indices[i] = slot
             seq_lens[i] = prefix + n
             extend_seq_lens[i] = n
             extend_prefix_lens[i] = prefix
@@ -178,8 +190,8 @@ class ScheduleBatch:
             [r.sampling_params for r in self.reqs], steps=[r.num_outputs for r in self.reqs],
             seeds=[r.seed for r in self.reqs], padded_size=R)
         return ModelWorkerBatch(
-            forward_mode=self.forward_mode, bucket=bucket, num_reqs=num_reqs, num_tokens=num_tokens, input_ids=input_ids,
-            input_token_src=input_token_src, out_cache_loc=out_cache_loc,
-            req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+            forward_mode=self.forward_mode, bucket=bucket, num_reqs=num_reqs,
+            num_tokens=num_tokens, input_ids=input_ids, input_token_src=input_token_src,
+            out_cache_loc=out_cache_loc, seq_lens=seq_lens,
             extend_seq_lens=extend_seq_lens, extend_prefix_lens=extend_prefix_lens,
             page_table=page_table, sampling=sampling)

@@ -1,4 +1,4 @@
-"""The scheduler: continuous batching over the model runner, with a radix prefix cache, chunked
+"""The scheduler: continuous batching over the model worker, with a radix prefix cache, chunked
 prefill, MIXED batches, retraction under KV pressure, and overlapped host work.
 
 Each `step()` launches one model step and returns the requests whose new tokens it learned:
@@ -18,14 +18,7 @@ Each `step()` launches one model step and returns the requests whose new tokens 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import jax
-import numpy as np
-
-from jaxrunner.buckets import pick_bucket
-from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
-from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
-from jaxrunner.model_runner import ModelRunner
 from jaxrunner.radix_cache import RadixCache
 from jaxrunner.schedule_batch import Req, ScheduleBatch
 from jaxrunner.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
@@ -42,32 +35,27 @@ class LaunchedBatch:
     """A step on the device whose tokens the host has not read yet."""
 
     batch: ScheduleBatch
-    tokens: jax.Array         # i32[max_batch_rows]
-    logprobs: jax.Array       # f32[max_batch_rows]
+    result: object            # the worker's GenerationBatchResult: `copy_to_host()` waits
     samples: list[bool]       # per row: does this step sample the request's next token
     rows: dict[int, int]      # rid -> row, for the next step's on-device input tokens
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, decode_text: Callable[[list[int]], str] | None = None,
-                 *, allocator: PageAllocator | None = None,
-                 req_to_token_pool: ReqToTokenPool | None = None, overlap: bool | None = None):
-        """`decode_text` turns token ids into text; needed only for stop strings.
-
-        `allocator` and `req_to_token_pool` default to the runner's; a DP attention rank passes
-        its own (`runner.dp_allocators[r]`, `runner.dp_req_to_token_pools[r]`). `overlap`
-        defaults to `not args.disable_overlap_schedule`."""
-        self.runner = runner
-        args = self.args = runner.args
+    def __init__(self, worker, decode_text: Callable[[list[int]], str] | None = None,
+                 *, dp_rank: int = 0, overlap: bool | None = None):
+        """`worker` is the `ModelWorker` (or anything with its verbs: `args`,
+        `get_memory_pool`, `pick_bucket`, `forward_batch_generation`). `decode_text` turns token
+        ids into text; needed only for stop strings. A DP attention rank books into its own
+        memory pool (`dp_rank`) and never launches steps itself (DataParallelScheduler does).
+        `overlap` defaults to `not args.disable_overlap_schedule`."""
+        self.worker = worker
+        args = self.args = worker.args
         self.page_size = args.page_size
         self.decode_text = decode_text
-        self.allocator = runner.allocator if allocator is None else allocator
-        self.req_to_token_pool = (runner.req_to_token_pool if req_to_token_pool is None
-                                  else req_to_token_pool)
+        self.req_to_token_pool, self.allocator = worker.get_memory_pool(dp_rank)
         self.tree_cache = RadixCache(args.page_size, self.allocator,
                                      disable=args.disable_radix_cache)
-        self.chunk_size = (args.max_prefill_tokens if args.chunked_prefill_size is None
-                           else args.chunked_prefill_size)
+        self.chunk_size = args.chunk_size
         self.overlap = not args.disable_overlap_schedule if overlap is None else overlap
         self.waiting: list[Req] = []
         self.running: list[Req] = []       # prefilled, decoding
@@ -113,7 +101,7 @@ class Scheduler:
         if self.has_work:
             return False
         if self.in_flight is not None:
-            self._process(self.in_flight)
+            self.process_batch_result(self.in_flight)
             self.in_flight = None
         self.tree_cache.reset()
         return True
@@ -123,18 +111,19 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Launches one model step; returns the requests that got new tokens (finished ones
         included: `req.finished`). With overlap, a step's tokens are returned by the next call."""
-        batch = self._get_next_batch()
+        batch = self.get_next_batch()
         launched = self._launch(batch) if batch is not None else None
         updated, self._flushed = self._flushed, []
         if self.overlap:
             if self.in_flight is not None:
-                updated += self._process(self.in_flight)
+                updated += self.process_batch_result(self.in_flight)
             self.in_flight = launched
         elif launched is not None:
-            updated += self._process(launched)
+            updated += self.process_batch_result(launched)
         return updated
 
-    def _get_next_batch(self) -> ScheduleBatch | None:
+    def get_next_batch(self) -> ScheduleBatch | None:
+        """This step's batch with its KV pages allocated, or None when there is nothing to run."""
         mixed = self.args.enable_mixed_chunk
         decoding = self._decodable()
         if decoding and mixed:
@@ -238,7 +227,7 @@ class Scheduler:
             return decoding
         # Retraction changes the running set: first learn what the step in flight produced.
         if self.in_flight is not None:
-            self._flushed += self._process(self.in_flight)
+            self._flushed += self.process_batch_result(self.in_flight)
             self.in_flight = None
         decoding = self._decodable()
         while decoding and self._decode_pages(decoding) > self._free_after_eviction(
@@ -325,22 +314,17 @@ class Scheduler:
         return batch
 
     def _launch(self, batch: ScheduleBatch) -> LaunchedBatch:
-        return self._record_launch(batch, *self._run_batch(batch))
+        return self.record_launch(batch, self._run_batch(batch))
 
-    def _run_batch(self, batch: ScheduleBatch) -> tuple[jax.Array, jax.Array]:
-        """Launches the device step of `batch`: its sampled (tokens, logprobs), not read back."""
-        runner = self.runner
-        exec_mode = ForwardMode.DECODE if batch.forward_mode.is_decode() else ForwardMode.EXTEND
-        bucket = pick_bucket(runner.buckets, exec_mode, batch.num_tokens, len(batch.reqs))
-        worker_batch = batch.get_model_worker_batch(bucket)
-        prev_tokens = self.in_flight.tokens if self.in_flight is not None else runner.no_prev_tokens
-        forward_batch, sampling = ForwardBatch.init_new(worker_batch, prev_tokens=prev_tokens)
-        logits_output = runner.forward(forward_batch)
-        return runner.sample(logits_output, sampling)
+    def _run_batch(self, batch: ScheduleBatch):
+        """Launches the device step of `batch` through the worker; does not wait for it."""
+        bucket = self.worker.pick_bucket(batch.forward_mode, batch.num_tokens, len(batch.reqs))
+        prev = self.in_flight.result if self.in_flight is not None else None
+        return self.worker.forward_batch_generation(batch.get_model_worker_batch(bucket), prev)
 
-    def _record_launch(self, batch: ScheduleBatch, tokens, logprobs) -> LaunchedBatch:
-        """Books a launched step: the requests' computed tokens and pending samples. `tokens`
-        and `logprobs` (row i: request i) may be device arrays or, under DP, numpy."""
+    def record_launch(self, batch: ScheduleBatch, result) -> LaunchedBatch:
+        """Books a launched step: the requests' computed tokens and pending samples. `result`
+        (row i: request i) is the worker's, read back only in `process_batch_result`."""
         self.forward_ct += 1
         samples = []
         for req, n in zip(batch.reqs, batch.extend_lens):
@@ -354,12 +338,12 @@ class Scheduler:
                 if req not in self.running:
                     self.running.append(req)
                     self._cache_prefilled(req)
-        return LaunchedBatch(batch, tokens, logprobs, samples,
-                             {r.rid: i for i, r in enumerate(batch.reqs)})
+        return LaunchedBatch(batch, result, samples, {r.rid: i for i, r in enumerate(batch.reqs)})
 
-    def _process(self, launched: LaunchedBatch) -> list[Req]:
-        tokens = np.asarray(launched.tokens)
-        logprobs = np.asarray(launched.logprobs)
+    def process_batch_result(self, launched: LaunchedBatch) -> list[Req]:
+        """Reads a launched step's tokens back and advances its requests: new outputs, finished
+        requests (their KV released); returns the requests that got a token."""
+        tokens, logprobs = launched.result.copy_to_host()
         updated = []
         for i, req in enumerate(launched.batch.reqs):
             if not launched.samples[i]:

@@ -3,7 +3,13 @@
 The three families differ by two switches read from the config: Qwen2 adds biases to the q/k/v
 projections (`attention_bias`), Qwen3 RMS-normalises q and k per head (`qk_norm`). Attribute
 names follow Hugging Face's, so the checkpoint mapping in `models/loader.py` stays a short table.
-Shapes: T tokens, D hidden, H query heads, K KV heads, Dh head dim, F intermediate, V vocab.
+Shapes: T tokens, D hidden, H query heads, K KV heads, Dh head dim, F intermediate, V vocab,
+L layers.
+
+The decoder layers are one `DecoderLayer` whose parameters carry a leading [L] axis, run by
+`jax.lax.scan`: the compiled step holds one layer's program whatever the depth, so compiling a
+32-layer model costs what an 8-layer one does. The KV cache of every layer is one array that the
+scan carries as loop state (`LlamaForCausalLM.__call__`).
 """
 
 import jax
@@ -55,7 +61,8 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x, cos, sin, kv_cache, fb: ForwardBatch, backend: AttentionBackend, meta):
+    def __call__(self, x, cos, sin, kv_cache, layer, fb: ForwardBatch, backend: AttentionBackend,
+                 meta):
         T = x.shape[0]
         q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
@@ -63,7 +70,7 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_cos_sin(q, cos, sin), apply_rope_cos_sin(k, cos, sin)
-        out, kv_cache = backend.forward(q, k, v, kv_cache, fb, meta)
+        out, kv_cache = backend.forward(q, k, v, kv_cache, layer, fb, meta)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), kv_cache
 
 
@@ -85,8 +92,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, fb, backend, meta):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, fb, backend, meta)
+    def __call__(self, x, cos, sin, kv_cache, layer, fb, backend, meta):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, fb,
+                                     backend, meta)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
@@ -95,8 +103,19 @@ class LlamaModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = stacked_layers(cfg, dtype, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """`cfg.num_hidden_layers` decoder layers as one module whose parameters have a leading [L]
+    axis (each layer initialised from its own split of `rngs`)."""
+    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return DecoderLayer(cfg, dtype, rngs)
+
+    return create(rngs)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -108,18 +127,35 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
-    def __call__(self, fb: ForwardBatch, kv_caches: list, backend: AttentionBackend):
-        """-> (hidden states [T, D] after the final norm, updated KV caches)."""
+    def __call__(self, fb: ForwardBatch, kv_cache: jax.Array, backend: AttentionBackend):
+        """kv_cache [L, pages, page_size, 2K, Dh] -> (hidden states [T, D] after the final norm,
+        the updated KV cache).
+
+        The scan's loop state is (activations, the cache viewed as [L * pages, ...]: a free
+        reshape); its loop data are each layer's parameters and index. Layer l writes its new
+        K/V into, and attends over, the rows of its own pages (`AttentionBackend.page_offset`),
+        so the cache is updated in place through the whole loop and never copied (the caller
+        donates it; `tests/test_engine.py` checks the compiled HLO).
+        """
         meta = backend.init_forward_metadata(fb)
         # inv_freq is a trace-time constant: the checkpoint does not carry it.
         inv_freq = inv_frequencies(self.config.rope, self.config.head_dim)
         cos, sin = rope_cos_sin(fb.positions, inv_freq)
         x = self.model.embed_tokens(fb.input_ids)
-        new_caches = []
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, kv_cache = layer(x, cos, sin, kv_cache, fb, backend, meta)
-            new_caches.append(kv_cache)
-        return self.model.norm(x), new_caches
+        graphdef, layers_state = nnx.split(self.model.layers)
+        num_layers = kv_cache.shape[0]
+
+        def body(carry, layer_inputs):
+            x, flat_cache = carry
+            state, index = layer_inputs
+            layer = nnx.merge(graphdef, state)
+            x, flat_cache = layer(x, cos, sin, flat_cache, index, fb, backend, meta)
+            return (x, flat_cache), None
+
+        flat = kv_cache.reshape(-1, *kv_cache.shape[2:])
+        (x, flat), _ = jax.lax.scan(
+            body, (x, flat), (layers_state, jnp.arange(num_layers, dtype=jnp.int32)))
+        return self.model.norm(x), flat.reshape(kv_cache.shape)
 
     def compute_logits(self, hidden):
         """hidden [N, D] -> float32 logits [N, V]."""

@@ -21,10 +21,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.parallel import TENSOR_AXIS, check_tp_size, effective_kv_heads
 from models.config import ModelConfig
+from models.loader import ParamSource, is_stacked, read_full
 
 T = TENSOR_AXIS
 # (nnx parameter path regex, PartitionSpec); the first match wins, no match means replicated.
-# Linear kernels are [in, out]; the embedding is [vocab, hidden].
+# Linear kernels are [in, out]; the embedding is [vocab, hidden]. The stacked decoder layers'
+# parameters have a leading [L] axis on top, never sharded.
 PARTITION_RULES: list[tuple[str, P]] = [
     (r"self_attn\.(q|k|v)_proj\.kernel$", P(None, T)),
     (r"self_attn\.(q|k|v)_proj\.bias$", P(T)),
@@ -38,7 +40,7 @@ _KV_PROJ = re.compile(r"self_attn\.(k|v)_proj\.(kernel|bias)$")
 
 
 def path_name(path: tuple) -> str:
-    """('model', 'layers', 0, 'mlp', 'up_proj', 'kernel') -> 'model.layers.0.mlp.up_proj.kernel'."""
+    """('model', 'layers', 'mlp', 'up_proj', 'kernel') -> 'model.layers.mlp.up_proj.kernel'."""
     return ".".join(str(p) for p in path)
 
 
@@ -46,7 +48,7 @@ def partition_spec(path: tuple) -> P:
     name = path_name(path)
     for pattern, spec in PARTITION_RULES:
         if re.search(pattern, name):
-            return spec
+            return P(None, *spec) if is_stacked(path) else spec
     return P()
 
 
@@ -72,8 +74,9 @@ def repeat_kv_heads(array: np.ndarray, num_kv_heads: int, repeats: int) -> np.nd
 class ShardedPlacer:
     """`place(path, array, dtype) -> jax.Array` for `models.loader.load_model`.
 
-    Each device receives only its slice (`jax.make_array_from_callback`), so no host ever holds
-    more than the one tensor being loaded; in a multi-host run each process fills its own devices.
+    Each device receives only its slice (`jax.make_array_from_callback`), read a layer at a time,
+    so a host holds at most one device's part of one parameter; in a multi-host run each process
+    fills its own devices.
     """
 
     mesh: jax.sharding.Mesh
@@ -96,11 +99,11 @@ class ShardedPlacer:
                 return NamedSharding(self.mesh, P())
         return NamedSharding(self.mesh, spec)
 
-    def __call__(self, path: tuple, array: np.ndarray, dtype) -> jax.Array:
-        # (A tensor of the wrong size passes through whole; the loader names it.)
-        if (self.kv_repeats > 1 and _KV_PROJ.search(path_name(path))
-                and array.shape[-1] % self.num_kv_heads == 0):
-            array = repeat_kv_heads(array, self.num_kv_heads, self.kv_repeats)
-        array = np.asarray(array, dtype=dtype)
-        sharding = self.sharding(path, array.shape)
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    def __call__(self, source: ParamSource, dtype) -> jax.Array:
+        if self.kv_repeats > 1 and _KV_PROJ.search(path_name(source.path)):
+            # (A tensor of the wrong size passes through whole; the source names it.)
+            source = source.map(lambda a: repeat_kv_heads(a, self.num_kv_heads, self.kv_repeats)
+                                if a.shape[-1] % self.num_kv_heads == 0 else a)
+        sharding = self.sharding(source.path, source.shape)
+        return jax.make_array_from_callback(source.shape, sharding,
+                                            lambda index: read_full(source, dtype, index))

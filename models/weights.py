@@ -11,6 +11,7 @@ Errors name the file at fault: a directory without safetensors (listing what is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,53 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
                     raise ValueError(
                         f"corrupt safetensors file {path}: tensor {name!r}: {e}"
                     ) from e
+
+
+class CheckpointReader:
+    """Random access to a checkpoint's tensors by name, each read when asked for (files are
+    memory-mapped by safetensors, so only what is read comes into host memory).
+
+        with CheckpointReader(model_dir) as ckpt:
+            w = ckpt.get("model.layers.0.self_attn.q_proj.weight")
+    """
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self._files = _tensor_files(self.model_dir)
+        self._stack = contextlib.ExitStack()
+        self._where: dict[str, object] = {}  # name -> open file
+
+    def __enter__(self) -> "CheckpointReader":
+        try:
+            for path, wanted in self._files:
+                f = self._stack.enter_context(_open(path))
+                for name in _names_in_file(f, path, wanted):
+                    self._where[name] = (f, path)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        f, _ = self._where[name]
+        return tuple(f.get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        f, path = self._where[name]
+        try:
+            return f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"corrupt safetensors file {path}: tensor {name!r}: {e}") from e
 
 
 def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:

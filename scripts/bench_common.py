@@ -221,11 +221,36 @@ def measure_memory_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> dict:
     return out
 
 
+# The instruction-set extensions that decide how fast the CPU kernels and XLA's CPU code run.
+_SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+               "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+def cpu_info() -> dict:
+    """lscpu's model name and the CPU's SIMD flags (from /proc/cpuinfo), so every number names
+    the machine it came from."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags.update(value.split())
+    except OSError:
+        pass
+    simd = [flag for flag in _SIMD_FLAGS if flag in flags]
+    isa = ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags
+           else "neon" if "asimd" in flags else "other")
+    return {"cpu_model": model, "cpu_simd_flags": simd, "cpu_isa": isa}
+
+
 def machine_info() -> dict:
     device = jax.devices()[0]
     return {"platform": device.platform, "device_kind": device.device_kind,
             "num_devices": jax.device_count(), "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
+            "processor": platform.processor() or platform.machine(), **cpu_info(),
             "jax_version": jax.__version__}
 
 

@@ -25,8 +25,8 @@ static batches of `--hf-batch-sizes` (default: `--max-running-requests`) in requ
 padding, greedy, every batch generating its longest output with EOS ignored; only each request's
 own output tokens count. With several batch sizes, the speed-up is against the fastest.
 
-`--max-running-requests` defaults to 128, so the default workload's requests all run at once (as
-they would in SGLang, whose default is far larger); the engine's own default is 64.
+Engine limits not given (`--max-running-requests`, `--max-prefill-tokens`) are the engine's own
+defaults for this machine (jaxrunner/defaults.py): what `Engine(model_path=...)` runs with.
 """
 
 import argparse
@@ -65,8 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-running-requests", type=int, default=128)
-    p.add_argument("--max-prefill-tokens", type=int, default=1024)
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="default: the engine's own for this machine")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="default: the engine's own for this machine")
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-radix-cache", action="store_true",
@@ -81,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--baseline", choices=("none", "hf"), default="none",
                    help="hf: also run Hugging Face generate on the same requests")
     p.add_argument("--hf-batch-sizes", type=int, nargs="+",
-                   help="HF static batch sizes to run (default: --max-running-requests)")
+                   help="HF static batch sizes to run (default: the engine's max running "
+                        "requests)")
     p.add_argument("--probe-reps", type=int, default=5,
                    help="timed runs per matmul shape of the rate probe (median)")
     p.add_argument("--json-out", help="also write the JSON result to this file")
@@ -281,7 +284,7 @@ def main(argv=None) -> dict:
     }
     engine.shutdown()
     if args.baseline == "hf":
-        sizes = args.hf_batch_sizes or [args.max_running_requests]
+        sizes = args.hf_batch_sizes or [result["engine_args"]["max_running_requests"]]
         runs = [run_hf(model_path, w, b) for b in sizes]
         runs = [{**hf, **throughput(hf["elapsed_s"], num_reqs, input_tokens, requested)}
                 for hf in runs]

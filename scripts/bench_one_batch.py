@@ -7,8 +7,8 @@ against this machine's measured matmul rate and memory bandwidth; prints JSON an
 
 Each batch runs through the engine's own pieces, synchronously (no scheduler policy, no
 overlap): `ScheduleBatch` (KV pages) -> `get_model_worker_batch` (padded numpy) ->
-`ForwardBatch.init_new` (one transfer) -> `runner.forward` -> `runner.sample`. Decode steps
-alternate between two ways of timing:
+`ModelWorker.forward_batch_generation` (one transfer, the step, the sampler) -> the tokens read
+back. Decode steps alternate between two ways of timing:
 - whole: the step as the engine runs it, one wait at the end (`step_s`, the throughput);
 - split: a wait after each stage, giving host batch building, the transfer to the device, the
   device step (forward + sample) and host post-processing (`host_fraction` = the host's share).
@@ -32,8 +32,6 @@ from tqdm.auto import tqdm
 from bench_common import (ModelShapes, emit, floor_seconds, machine_info,
                           measure_matmul_rates, measure_memory_bandwidth, print_grid, print_table)
 from jaxrunner import Engine
-from jaxrunner.buckets import pick_bucket
-from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.schedule_batch import Req, ScheduleBatch
@@ -77,15 +75,16 @@ def parse_args(argv=None):
 
 
 class BatchRunner:
-    """Runs ScheduleBatches synchronously on an engine's ModelRunner, timing each stage."""
+    """Runs ScheduleBatches synchronously through an engine's ModelWorker, timing each stage."""
 
     def __init__(self, engine: Engine):
-        self.runner = engine.runner
+        self.worker = engine.worker
+        self.req_to_token_pool, self.allocator = self.worker.get_memory_pool()
         self.page_size = engine.args.page_size
 
     def _schedule(self, reqs, mode, lens) -> ScheduleBatch:
-        r = self.runner
-        batch = ScheduleBatch(reqs, mode, lens, r.req_to_token_pool, r.allocator, self.page_size)
+        batch = ScheduleBatch(reqs, mode, lens, self.req_to_token_pool, self.allocator,
+                              self.page_size)
         if not batch.alloc_kv():
             raise RuntimeError("out of KV pages: max_total_tokens too small for the batch")
         return batch
@@ -93,28 +92,25 @@ class BatchRunner:
     def step(self, reqs, mode, lens, split: bool) -> dict:
         """One step; the sampled token of each request whose prompt is done becomes an output.
         With `split`, waits after each stage so their times add up to the step."""
-        r = self.runner
         t0 = time.perf_counter()
         batch = self._schedule(reqs, mode, lens)
-        bucket = pick_bucket(r.buckets, mode, batch.num_tokens, len(reqs))
+        bucket = self.worker.pick_bucket(mode, batch.num_tokens, len(reqs))
         worker_batch = batch.get_model_worker_batch(bucket)
         t1 = time.perf_counter()
         # Every token is known on the host: no previous step's tokens to read on the device.
-        fb, sampling = ForwardBatch.init_new(worker_batch, prev_tokens=r.no_prev_tokens)
-        if split:
-            jax.block_until_ready((fb, sampling))
+        # The call uploads the batch and launches the step and the sampler; it does not wait.
+        result = self.worker.forward_batch_generation(worker_batch)
         t2 = time.perf_counter()
-        tokens, _ = r.sample(r.forward(fb), sampling)
         if split:
-            jax.block_until_ready(tokens)
+            jax.block_until_ready(result.next_token_ids)
         t3 = time.perf_counter()
-        tokens = np.asarray(tokens)[:len(reqs)]
+        tokens, _ = result.copy_to_host()
         for req, n, tok in zip(reqs, lens, tokens):
             req.num_computed_tokens += n
             if req.num_computed_tokens >= len(req.origin_input_ids):
                 req.output_ids.append(int(tok))
         t4 = time.perf_counter()
-        return {"bucket": bucket, "host_build_s": t1 - t0, "to_device_s": t2 - t1,
+        return {"bucket": bucket, "host_build_s": t1 - t0, "dispatch_s": t2 - t1,
                 "device_s": t3 - t2, "host_post_s": t4 - t3, "step_s": t4 - t0}
 
     def prefill(self, reqs, max_tokens: int) -> list[dict]:
@@ -135,8 +131,8 @@ class BatchRunner:
 
     def release(self, reqs) -> None:
         for req in reqs:
-            pages = self.runner.req_to_token_pool.free_slot(req.req_pool_idx)
-            self.runner.allocator.free(pages)
+            pages = self.req_to_token_pool.free_slot(req.req_pool_idx)
+            self.allocator.free(pages)
             req.req_pool_idx = None
 
 
@@ -182,8 +178,8 @@ def summarize(run: dict, args, batch_size: int, shapes: ModelShapes, rates: dict
     bucket = run["whole"][0]["bucket"].num_reqs
     step_s = median_of(run["whole"], "step_s")
     host = {k: median_of(run["split"], k)
-            for k in ("host_build_s", "to_device_s", "device_s", "host_post_s", "step_s")}
-    host_s = host["host_build_s"] + host["to_device_s"] + host["host_post_s"]
+            for k in ("host_build_s", "dispatch_s", "device_s", "host_post_s", "step_s")}
+    host_s = host["host_build_s"] + host["dispatch_s"] + host["host_post_s"]
     keys = statistics.median(run["keys"])
     flops = shapes.tokens_flops(batch_size, keys, batch_size)
     step_bytes = shapes.decode_step_bytes(batch_size, int(keys))
@@ -227,7 +223,7 @@ def main(argv=None) -> dict:
                     compilation_cache_dir=args.compilation_cache_dir,
                     skip_tokenizer_init=True)
     # The probes compile; the batches must not (every shape is a bucket), so forbid after them.
-    buckets = sorted({pick_bucket(engine.runner.buckets, ForwardMode.DECODE, b, b).num_reqs
+    buckets = sorted({engine.worker.pick_bucket(ForwardMode.DECODE, b, b).num_reqs
                       for b in args.batch_sizes})
     rows = sorted(set(buckets) | {512})
     rates = measure_matmul_rates(shapes, rows=rows, dtype=shapes.dtype, reps=args.probe_reps)

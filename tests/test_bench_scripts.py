@@ -125,7 +125,7 @@ def test_bench_one_batch(one_batch_json):
         assert b["prefill_s"] > 0 and b["step_s"] > 0
         assert b["decode_tok_s"] == pytest.approx(b["batch_size"] / b["step_s"])
         split = b["split_step"]
-        parts = (split["host_build_s"] + split["to_device_s"] + split["device_s"]
+        parts = (split["host_build_s"] + split["dispatch_s"] + split["device_s"]
                  + split["host_post_s"])
         assert parts == pytest.approx(split["step_s"], rel=0.2)  # medians of the parts
         assert 0 < b["host_fraction"] < 1

@@ -10,6 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from jaxrunner.compile_guard import COMPILE_EVENT
+from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.forward_mode import ForwardMode
+from jaxrunner.model_runner import ForwardModeNotImplemented
+from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.schedule_batch import Req, ScheduleBatch
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +31,9 @@ def hf_llama(checkpoint):
 
 def _all_pages_free(engine):
     """Every page is back once the prefix cache lets go of its pages."""
-    runner = engine.runner
-    return (engine.flush_cache() and runner.allocator.num_free == runner.allocator.capacity
-            and runner.req_to_token_pool.num_free_slots == runner.req_to_token_pool.page_table.shape[0])
+    scheduler = engine.scheduler
+    return (engine.flush_cache() and scheduler.allocator.num_free == scheduler.allocator.capacity
+            and scheduler.req_to_token_pool.num_free_slots == scheduler.req_to_token_pool.num_slots)
 
 
 def _random_prompt(rng, engine, n):
@@ -193,11 +198,11 @@ def test_abort_frees_pages_of_running_and_waiting_requests(engine):
     reqs = [engine.add_request(_random_prompt(rng, engine, 30), params) for _ in range(3)]
     while len(reqs[1].output_ids) < 2:  # with overlap, a step's tokens arrive a step later
         engine.step()
-    held = engine.runner.allocator.num_free + engine.scheduler.tree_cache.evictable_pages
+    held = engine.scheduler.allocator.num_free + engine.scheduler.tree_cache.evictable_pages
     engine.abort_request(reqs[1])
     assert reqs[1].finished_reason["type"] == "abort"
     # Its pages are free, or cached and evictable: nothing is locked for it any more.
-    assert engine.runner.allocator.num_free + engine.scheduler.tree_cache.evictable_pages > held
+    assert engine.scheduler.allocator.num_free + engine.scheduler.tree_cache.evictable_pages > held
     num_aborted_outputs = len(reqs[1].output_ids)
     late = engine.add_request(_random_prompt(rng, engine, 10), params)
     engine.abort_request(late)  # still waiting
@@ -208,15 +213,31 @@ def test_abort_frees_pages_of_running_and_waiting_requests(engine):
     assert _all_pages_free(engine)
 
 
+def _elements(hlo_type: str) -> int:
+    dims = re.search(r"\[([\d,]*)\]", hlo_type).group(1)
+    return int(np.prod([int(d) for d in dims.split(",") if d]))
+
+
 def test_no_executable_copies_the_kv_cache(engine):
-    """The cache is donated: a copy of it in any step means XLA could not update it in place,
-    which costs a full cache write per layer per step."""
+    """The cache is donated and threaded through the scanned layers as loop state: a copy of it,
+    or of any layer's pages, in any step means XLA could not update it in place, which costs a
+    cache write per step. Two checks per executable: no HLO copy of a layer-sized array or
+    larger, and scratch memory smaller than one layer's pages (a copy needs a buffer)."""
     runner = engine.runner
-    num_pages = runner.token_to_kv_pool.shape[0]
-    cache_copy = re.compile(rf"= \w+\[{num_pages},[\d,]+\]\{{[\d,]+\}} copy\(")
+    pool = runner.token_to_kv_pool
+    layer_elements = int(np.prod(pool.layer_shape))
+    layer_bytes = layer_elements * pool.dtype.itemsize
+    copy = re.compile(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(")
+    assert runner.executables
     for key, executable in runner.executables.items():
-        copies = cache_copy.findall(executable.as_text())
-        assert not copies, f"{key[0]} copies the KV cache {len(copies)} times"
+        big = [t for t in copy.findall(executable.as_text()) if _elements(t) >= layer_elements]
+        assert not big, f"{key[0]} copies KV-cache-sized arrays: {big}"
+        memory = executable.memory_analysis()
+        assert memory.temp_size_in_bytes < layer_bytes, (
+            f"{key[0]} needs {memory.temp_size_in_bytes} bytes of scratch, more than a layer's "
+            f"{layer_bytes}-byte cache")
+        # The donated cache comes back in the same buffer.
+        assert memory.alias_size_in_bytes >= pool.bytes, key[0]
 
 
 def test_a_running_requests_prompt_is_shared_before_it_finishes(engine):
@@ -239,3 +260,37 @@ def test_a_running_requests_prompt_is_shared_before_it_finishes(engine):
     assert second.output_ids == alone["output_ids"] == fresh["output_ids"]
     assert fresh["meta_info"]["cached_tokens"] == 0
     assert _all_pages_free(engine)
+
+
+@pytest.mark.parametrize("mode", list(ForwardMode), ids=lambda m: m.name)
+def test_every_forward_mode_runs_its_own_path_or_names_itself(engine, mode, monkeypatch):
+    """ModelRunner.forward sends DECODE to the decode path and EXTEND/MIXED to the extend path;
+    every other mode raises an error naming it, rather than running as another."""
+    runner, scheduler = engine.runner, engine.scheduler
+    taken = []
+    for path in ("forward_decode", "forward_extend"):
+        original = getattr(runner, path)
+        monkeypatch.setattr(runner, path, lambda fb, _o=original, _p=path: (taken.append(_p),
+                                                                            _o(fb))[1])
+    decode_shaped = mode.is_batch_size_bucketed()
+    reqs = [Req(rid=10_000 + i, origin_input_ids=[5 + i], sampling_params=SamplingParams(
+        temperature=0.0).normalized(), seed=0, max_new_tokens=1, eos_token_ids=frozenset())
+        for i in range(2)]
+    batch = ScheduleBatch(reqs, mode, [1, 1], scheduler.req_to_token_pool, scheduler.allocator,
+                          engine.args.page_size)
+    assert batch.alloc_kv()
+    try:
+        family = ForwardMode.DECODE if decode_shaped else ForwardMode.EXTEND
+        worker_batch = batch.get_model_worker_batch(engine.worker.pick_bucket(family, 2, 2))
+        fb, _ = ForwardBatch.init_new(worker_batch, runner.no_prev_tokens)
+        if mode in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED):
+            logits = np.asarray(runner.forward(fb).next_token_logits)
+            assert np.isfinite(logits[:2]).all()
+            assert taken == ["forward_decode" if mode.is_decode() else "forward_extend"]
+        else:
+            with pytest.raises(ForwardModeNotImplemented, match=mode.name):
+                runner.forward(fb)
+            assert taken == []
+    finally:
+        for req in reqs:
+            scheduler.allocator.free(scheduler.req_to_token_pool.free_slot(req.req_pool_idx))

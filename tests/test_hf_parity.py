@@ -6,8 +6,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
-from jaxrunner.buckets import pick_bucket
-from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.schedule_batch import Req, ScheduleBatch
@@ -30,24 +28,24 @@ def _prompts(vocab_size, seed=0):
 
 
 def _prefill_logits(engine, prompts):
-    """Logits at every prompt position from one ragged EXTEND batch through the runner."""
-    runner = engine.runner
+    """Logits at every prompt position from one ragged EXTEND batch through the model worker."""
+    worker, scheduler = engine.worker, engine.scheduler
     reqs = [Req(rid=i, origin_input_ids=p, sampling_params=SamplingParams(temperature=0.0).normalized(),
                 seed=0, max_new_tokens=1, eos_token_ids=frozenset()) for i, p in enumerate(prompts)]
     batch = ScheduleBatch(reqs, ForwardMode.EXTEND, [len(p) for p in prompts],
-                          runner.req_to_token_pool, runner.allocator, runner.args.page_size)
+                          scheduler.req_to_token_pool, scheduler.allocator, engine.args.page_size)
     assert batch.alloc_kv()
-    bucket = pick_bucket(runner.buckets, ForwardMode.EXTEND, batch.num_tokens, len(reqs))
-    runner.compile_monitor.allow()  # hidden-state capture compiles on first use
+    worker_batch = batch.get_model_worker_batch(
+        worker.pick_bucket(ForwardMode.EXTEND, batch.num_tokens, len(reqs)))
+    worker_batch.capture_hidden_mode = CaptureHiddenMode.FULL
+    engine.compile_monitor.allow()  # hidden-state capture compiles on first use
     try:
-        fb, _ = ForwardBatch.init_new(batch.get_model_worker_batch(bucket), CaptureHiddenMode.FULL,
-                                      prev_tokens=runner.no_prev_tokens)
-        out = runner.forward(fb)
-        logits = np.asarray(runner.compute_logits(out.hidden_states))
+        out = worker.forward_batch_generation(worker_batch).logits_output
+        logits = np.asarray(engine.runner.compute_logits(out.hidden_states))
     finally:
-        runner.compile_monitor.forbid()
+        engine.compile_monitor.forbid()
         for req in reqs:
-            runner.allocator.free(runner.req_to_token_pool.free_slot(req.req_pool_idx))
+            scheduler.allocator.free(scheduler.req_to_token_pool.free_slot(req.req_pool_idx))
     last = np.asarray(out.next_token_logits)
     starts = np.cumsum([0] + PROMPT_LENS)
     return [logits[s:s + n] for s, n in zip(starts, PROMPT_LENS)], last
@@ -64,7 +62,7 @@ def test_prefill_logits_match_hf(models):
         assert rel < 1e-4, f"prompt {i} ({len(prompt)} tokens): relative error {rel:.2e}"
         # The serving path's last-token logits are the same numbers.
         np.testing.assert_allclose(last[i], got[-1], rtol=1e-5, atol=1e-5)
-    assert engine.runner.allocator.num_free == engine.runner.allocator.capacity
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity
 
 
 def test_greedy_tokens_match_hf_generate(models):
@@ -81,4 +79,4 @@ def test_greedy_tokens_match_hf_generate(models):
         if len(want) < 32:
             assert out["meta_info"]["finish_reason"]["type"] == "stop"
     assert engine.flush_cache()
-    assert engine.runner.allocator.num_free == engine.runner.allocator.capacity
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool, TokenToKVPool
+from jaxrunner.kv_cache import TokenToKVPool
+from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
 
 
 def test_allocator_never_hands_out_the_dummy_page_and_is_all_or_nothing():
@@ -30,9 +31,9 @@ def test_req_to_token_pool_tracks_pages_per_slot():
     assert pool.alloc_slot() == a
 
 
-def test_kv_pool_layout_interleaves_k_and_v():
+def test_kv_pool_stacks_every_layers_pages_in_one_array():
     pool = TokenToKVPool(num_layers=3, num_pages=4, page_size=8, num_kv_heads=2, head_dim=16,
                          dtype=np.float32)
-    assert len(pool.kv_caches) == 3
-    assert pool.kv_caches[0].shape == (4, 8, 4, 16)
+    assert pool.kv_cache.shape == (3, 4, 8, 4, 16)
+    assert pool.layer_shape == (4, 8, 4, 16)   # K and V interleaved on axis 2 of a layer
     assert pool.bytes == 3 * 4 * 8 * 4 * 16 * 4

@@ -9,7 +9,7 @@ from jaxrunner.attention import AttentionConfig, NativeAttentionBackend
 from jaxrunner.buckets import Bucket
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
-from jaxrunner.sampler import SamplingBatch
+from jaxrunner.sampling_batch import SamplingBatch
 from jaxrunner.schedule_batch import ModelWorkerBatch
 
 
@@ -64,7 +64,6 @@ def make_batch(rng, prefix_lens, new_lens, cfg, num_pages, T, R, max_pages):
         input_token_src=np.full(T, -1, np.int32), num_reqs=len(new_lens), num_tokens=num_tokens,
         input_ids=np.zeros(T, np.int32),
         out_cache_loc=np.array(slots + [0] * (T - num_tokens), np.int32),
-        req_pool_indices=pad(range(len(new_lens))),
         seq_lens=pad(p + n for p, n in zip(prefix_lens, new_lens)),
         extend_seq_lens=pad(new_lens), extend_prefix_lens=pad(prefix_lens), page_table=page_table,
         sampling=SamplingBatch.from_params([], [], [], padded_size=R))
@@ -86,21 +85,32 @@ CASES = {
 def test_native_matches_dense_reference(case, page_size, group, window, soft_cap):
     prefix_lens, new_lens, T, R = CASES[case]
     rng = np.random.default_rng(hash((case, page_size)) % 2**32)
+    num_layers, layer, num_pages = 3, 1, 80
     cfg = AttentionConfig(num_heads=2 * group, num_kv_heads=2, head_dim=16, page_size=page_size,
-                          sm_scale=0.25, sliding_window=window, soft_cap=soft_cap)
+                          sm_scale=0.25, num_layers=num_layers, sliding_window=window,
+                          soft_cap=soft_cap)
     max_pages = 256 // page_size
     cache, q, k_new, v_new, full_k, full_v, wb = make_batch(
-        rng, prefix_lens, new_lens, cfg, num_pages=80, T=T, R=R, max_pages=max_pages)
+        rng, prefix_lens, new_lens, cfg, num_pages=num_pages, T=T, R=R, max_pages=max_pages)
+    # The batch's layer sits between two others whose pages are all NaN: reading or writing
+    # any of them instead of the layer's own shows.
+    poison = np.full_like(cache, np.nan)
+    stacked = np.concatenate([poison, cache, poison])
     backend = NativeAttentionBackend(cfg)
-    fb, _ = ForwardBatch.init_new(wb)
+    fb, _ = ForwardBatch.init_new(wb, jnp.zeros(4, jnp.int32))
 
     @jax.jit
     def run(q, k, v, cache, fb):
-        return backend.forward(q, k, v, cache, fb, backend.init_forward_metadata(fb))
+        fb = fb.prepare()
+        return backend.forward(q, k, v, cache, jnp.int32(layer), fb,
+                               backend.init_forward_metadata(fb))
 
-    out, new_cache = run(jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new),
-                         jnp.asarray(cache), fb)
+    out, new_stacked = run(jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new),
+                           jnp.asarray(stacked), fb)
     out = np.asarray(out)
+    new_stacked = np.asarray(new_stacked)
+    assert np.isnan(np.delete(new_stacked, np.s_[num_pages:2 * num_pages], axis=0)).all()
+    new_cache = new_stacked[num_pages:2 * num_pages]
     start = 0
     for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
         want = dense_attention(q[start:start + n], full_k[i], full_v[i], np.arange(p, p + n), p + n,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrunner.sampler import SamplingBatch, sample
+from jaxrunner.sampler import SamplingBatch, abstract_sampling_batch, sample
 from jaxrunner.sampling_params import SamplingParams
 
 R = 16  # the padded batch size of most tests: one executable for all of them
@@ -231,7 +231,7 @@ def test_one_compile_serves_every_mix():
 
 def test_aot_lowering_from_abstract_batch():
     compiled = jax.jit(sample).lower(
-        jax.ShapeDtypeStruct((R, V), jnp.float32), SamplingBatch.abstract(R)
+        jax.ShapeDtypeStruct((R, V), jnp.float32), abstract_sampling_batch(R)
     ).compile()
     logits = random_logits(R, seed=8)
     batch = SamplingBatch.from_params([FILTERED, GREEDY], [0, 0], [1, 1], R)

@@ -46,7 +46,7 @@ def run(checkpoint, engine_kwargs, overrides, prompts, params):
                  "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
                  "compiles": engine.compile_monitor.count - engine.runner.warm_compile_count}
         assert engine.flush_cache()
-        allocator = engine.runner.allocator
+        allocator = engine.scheduler.allocator
         assert allocator.num_free == allocator.capacity, "pages leaked"
         return [o["output_ids"] for o in outs], stats
     finally:

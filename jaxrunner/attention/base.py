@@ -2,8 +2,15 @@
 
 A backend is created once per model. Inside the compiled step, `init_forward_metadata` runs once
 and its result is shared by every layer; each layer then calls `forward`, which writes the new
-tokens' K/V into that layer's (donated) cache and returns the attention output with the updated
-cache. JAX arrays are values, so the cache goes in and comes out rather than being mutated.
+tokens' K/V into the (donated) cache and returns the attention output with the updated cache.
+JAX arrays are values, so the cache goes in and comes out rather than being mutated.
+
+The cache a layer sees holds every layer's pages, viewed flat: `[num_layers * pages_per_layer,
+page_size, 2 * num_kv_heads, head_dim]`, page p of layer l at row `l * pages_per_layer + p`. The
+decoder's layers run as one scanned body with the layer index as loop data, and the cache threads
+through the scan as loop state; shifting the page ids by the layer's offset lets every kernel keep
+its one-layer contract while reading and writing the layer's pages where they lie (no per-layer
+slice of the cache is ever materialised).
 """
 
 import abc
@@ -12,6 +19,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxrunner.forward_batch import ForwardBatch
+from kernels_pallas import update_kv_cache
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,7 @@ class AttentionConfig:
     head_dim: int
     page_size: int
     sm_scale: float
+    num_layers: int = 1
     sliding_window: int | None = None
     soft_cap: float | None = None
 
@@ -42,7 +51,17 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
-                forward_batch: ForwardBatch, metadata) -> tuple[jax.Array, jax.Array]:
-        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim], kv_cache
-        [num_pages, page_size, 2 * num_kv_heads, head_dim] -> (out [T, num_heads, head_dim],
-        kv_cache with the new K/V written at `forward_batch.out_cache_loc`)."""
+                layer: jax.Array, forward_batch: ForwardBatch,
+                metadata) -> tuple[jax.Array, jax.Array]:
+        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim], kv_cache (every layer's
+        pages, flat: see the module docstring), layer i32[] -> (out [T, num_heads, head_dim],
+        kv_cache with the new K/V written at `forward_batch.out_cache_loc` of `layer`)."""
+
+    def page_offset(self, kv_cache: jax.Array, layer: jax.Array) -> jax.Array:
+        """The row of `layer`'s page 0 in the flat cache."""
+        return layer * (kv_cache.shape[0] // self.config.num_layers)
+
+    def write_kv(self, kv_cache, k, v, forward_batch: ForwardBatch, page_offset):
+        """The new tokens' K/V into `layer`'s pages (padding tokens into its dummy page)."""
+        slots = forward_batch.out_cache_loc + page_offset * self.config.page_size
+        return update_kv_cache(kv_cache, k, v, slots)

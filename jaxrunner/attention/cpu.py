@@ -10,7 +10,6 @@ import kernels_cpu
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.attention.pallas import RaggedMetadata, ragged_metadata
 from jaxrunner.forward_batch import ForwardBatch
-from kernels_pallas import update_kv_cache
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -21,10 +20,13 @@ class CpuAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> RaggedMetadata:
         return ragged_metadata(forward_batch)
 
-    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata: RaggedMetadata):
-        kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
+    def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch,
+                metadata: RaggedMetadata):
+        offset = self.page_offset(kv_cache, layer)
+        kv_cache = self.write_kv(kv_cache, k, v, forward_batch, offset)
         out = kernels_cpu.ragged_paged_attention_cpu(
-            q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens, forward_batch.page_table,
+            q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens,
+            forward_batch.page_table + offset,
             metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
             sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap)
         return out.astype(q.dtype), kv_cache

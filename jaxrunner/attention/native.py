@@ -9,6 +9,7 @@ rather than once per token, and small chunks keep every intermediate small: on a
 large fresh buffers costs more than the arithmetic.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -18,7 +19,6 @@ from jax import lax
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.forward_batch import ForwardBatch
-from kernels_pallas import update_kv_cache
 
 # (query tokens per block, KV tokens per loop step) by mode, measured on a 2-core CPU (small
 # model shapes, f32): decode at batch 64 and 680 cached tokens takes 39 ms a layer with 32-token
@@ -42,6 +42,9 @@ class NativeMetadata:
     token_block: jax.Array   # i32[T]: block holding each token
     token_row: jax.Array     # i32[T]: row of each token within its block
     num_chunks: jax.Array    # i32[]: KV chunks the longest request needs
+
+    def replace(self, **changes) -> "NativeMetadata":
+        return dataclasses.replace(self, **changes)
 
 
 class NativeAttentionBackend(AttentionBackend):
@@ -90,10 +93,13 @@ class NativeAttentionBackend(AttentionBackend):
             token_row=(offset % block).astype(jnp.int32),
             num_chunks=((jnp.max(block_kv_len) + chunk - 1) // chunk).astype(jnp.int32))
 
-    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata: NativeMetadata):
-        kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
+    def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch,
+                metadata: NativeMetadata):
+        offset = self.page_offset(kv_cache, layer)
+        kv_cache = self.write_kv(kv_cache, k, v, forward_batch, offset)
         _, _, pages_per_chunk = self._shape(forward_batch)
-        out = paged_attention(q, kv_cache, metadata, self.config, pages_per_chunk)
+        out = paged_attention(q, kv_cache, metadata.replace(
+            block_pages=metadata.block_pages + offset), self.config, pages_per_chunk)
         return out, kv_cache
 
 

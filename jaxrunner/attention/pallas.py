@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.forward_batch import ForwardBatch
-from kernels_pallas import ragged_paged_attention, update_kv_cache
+from kernels_pallas import ragged_paged_attention
 
 _KERNEL_BY_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
@@ -50,10 +50,13 @@ class PallasAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> RaggedMetadata:
         return ragged_metadata(forward_batch)
 
-    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata: RaggedMetadata):
-        kv_cache = update_kv_cache(kv_cache, k, v, forward_batch.out_cache_loc)
+    def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch,
+                metadata: RaggedMetadata):
+        offset = self.page_offset(kv_cache, layer)
+        kv_cache = self.write_kv(kv_cache, k, v, forward_batch, offset)
         out = ragged_paged_attention(
-            q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens, forward_batch.page_table,
+            q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens,
+            forward_batch.page_table + offset,
             metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
             sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap,
             backend=self.kernel, interpret=self.interpret)

@@ -41,7 +41,7 @@ class ShardedAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         return self.inner.init_forward_metadata(forward_batch)
 
-    def forward(self, q, k, v, kv_cache, forward_batch: ForwardBatch, metadata):
+    def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch, metadata):
         # Inside DP attention's shard_map over `data` the context mesh has `data` manual; the
         # shard_map over `tensor` must name that mesh.
         context = jax.sharding.get_abstract_mesh()
@@ -49,6 +49,6 @@ class ShardedAttentionBackend(AttentionBackend):
         # check_vma=False: Pallas kernels do not declare how their outputs vary over the mesh.
         per_shard = jax.shard_map(
             self.inner.forward, mesh=mesh,
-            in_specs=(_HEADS, _HEADS, _HEADS, _KV_CACHE, P(), P()),
+            in_specs=(_HEADS, _HEADS, _HEADS, _KV_CACHE, P(), P(), P()),
             out_specs=(_HEADS, _KV_CACHE), check_vma=False)
-        return per_shard(q, k, v, kv_cache, forward_batch, metadata)
+        return per_shard(q, k, v, kv_cache, layer, forward_batch, metadata)

@@ -57,7 +57,7 @@ def main(spec: dict) -> dict:
         results.append(dict(run, output_ids=[o["output_ids"] for o in outs],
                             compiles_after_warmup=engine.compile_monitor.count - warm,
                             num_devices=engine.runner.parallel.num_devices,
-                            kv_cache_shape=list(engine.runner.token_to_kv_pool.shape),
+                            kv_cache_shape=list(engine.runner.token_to_kv_pool.layer_shape),
                             jax_devices=jax.device_count(), **extra))
         if spec.get("decode_hlo"):
             results[-1]["decode_hlo"] = decode_hlo_summary(engine)

@@ -1,0 +1,37 @@
+"""The serving limits an `Engine(model_path=...)` runs with when the caller leaves them out.
+
+Chosen from the platform and the KV capacity, as SGLang chooses its own from the GPU's memory:
+
+| setting | CPU | TPU / GPU | why |
+|---|---|---|---|
+| `max_running_requests` | 128 | 256 | CPU: 2-core decode throughput rises until about 128 rows (bench_one_batch), and 128 runs the offline benchmark's whole default workload at once; accelerators keep gaining past 256 but every decode bucket is one more executable |
+| `max_prefill_tokens` | 1024 | 8192 | CPU: 1024 was faster than 2048 on the random offline benchmark (26.4 s vs 25.5 s) since a prefill step stalls decoding; accelerators: SGLang's chunked prefill size for large GPUs |
+| cap of both | KV pages | KV pages | a running request holds at least one page; a prefill step cannot write more tokens than the cache holds |
+
+`docs/performance.md` has the benchmark runs behind the CPU column.
+"""
+
+from jaxrunner.buckets import MIN_DECODE_BATCH, MIN_EXTEND_TOKENS
+
+_MAX_RUNNING_REQUESTS = {"cpu": 128}
+_MAX_PREFILL_TOKENS = {"cpu": 1024}
+_ACCELERATOR_MAX_RUNNING_REQUESTS = 256
+_ACCELERATOR_MAX_PREFILL_TOKENS = 8192
+
+
+def default_max_running_requests(platform: str) -> int:
+    return _MAX_RUNNING_REQUESTS.get(platform, _ACCELERATOR_MAX_RUNNING_REQUESTS)
+
+
+def default_max_prefill_tokens(platform: str) -> int:
+    return _MAX_PREFILL_TOKENS.get(platform, _ACCELERATOR_MAX_PREFILL_TOKENS)
+
+
+def fit_to_kv(max_running_requests: int, max_prefill_tokens: int, max_total_tokens: int,
+              page_size: int) -> tuple[int, int]:
+    """Caps default limits by what a KV cache of `max_total_tokens` can serve."""
+    pages = max_total_tokens // page_size
+    running = max(MIN_DECODE_BATCH, min(max_running_requests, pages))
+    prefill = max(min(MIN_EXTEND_TOKENS, max_prefill_tokens),
+                  min(max_prefill_tokens, max_total_tokens))
+    return running, prefill

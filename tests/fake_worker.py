@@ -1,0 +1,115 @@
+"""A model worker with the real one's verbs over a deterministic fake model, and no jax.
+
+The fake keeps a "KV cache" of token ids: each step writes every real token's id at its
+`out_cache_loc`, and a request's next token is a hash of the ids it can read through its page
+table up to its `seq_len`. So the tokens it produces equal `reference_tokens` (the same hash over
+prompt + outputs) only if the scheduler gave every step the right input ids, positions, pages,
+prefix lengths and previous-step rows: a page booked twice, a prefix reused from the wrong
+request, a chunk boundary off by one or a retraction that loses a token all change the output.
+It also checks each batch against its bucket (padding rows empty, padding tokens on the dummy
+page, no slot written twice).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxrunner.buckets import all_buckets, executable_mode, pick_bucket
+from jaxrunner.config import EngineArgs
+from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
+from jaxrunner.schedule_batch import ModelWorkerBatch
+
+VOCAB = 1000
+_MODULUS = (1 << 61) - 1
+
+
+def next_token(sequence) -> int:
+    """The fake model: a polynomial hash of the whole sequence, as a token id."""
+    h = 17
+    for t in sequence:
+        h = (h * 1_000_003 + int(t) + 1) % _MODULUS
+    return h % VOCAB
+
+
+def reference_tokens(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+@dataclass
+class FakeResult:
+    next_token_ids: np.ndarray
+    logprobs: np.ndarray
+    num_reqs: int
+    read: bool = False
+
+    def copy_to_host(self):
+        self.read = True
+        return self.next_token_ids[:self.num_reqs], self.logprobs[:self.num_reqs]
+
+
+@dataclass
+class FakeWorker:
+    """`ModelWorker`'s verbs: `args`, `get_memory_pool`, `pick_bucket`,
+    `forward_batch_generation`."""
+
+    args: EngineArgs
+    num_pages: int
+    context_len: int = 2048
+    batches: list[ModelWorkerBatch] = field(default_factory=list)
+
+    def __post_init__(self):
+        ps = self.args.page_size
+        self.req_to_token_pool = ReqToTokenPool(self.args.max_running_requests + 1,
+                                                -(-self.context_len // ps))
+        self.allocator = PageAllocator(self.num_pages)
+        self.kv = np.full(self.num_pages * ps, -1, np.int64)
+        self.buckets = all_buckets(self.args.max_prefill_tokens, self.args.max_running_requests)
+        self.rows = max(b.num_reqs for b in self.buckets)
+
+    @classmethod
+    def create(cls, num_pages: int = 512, **overrides) -> "FakeWorker":
+        args = dict(model_path="fake", page_size=4, max_running_requests=8,
+                    max_prefill_tokens=64, disable_overlap_schedule=True)
+        return cls(EngineArgs(**dict(args, **overrides)), num_pages)
+
+    def get_memory_pool(self, dp_rank: int = 0):
+        return self.req_to_token_pool, self.allocator
+
+    def pick_bucket(self, mode, num_tokens, num_reqs):
+        return pick_bucket(self.buckets, executable_mode(mode), num_tokens, num_reqs)
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch, prev: FakeResult | None = None):
+        self.batches.append(batch)
+        bucket, ps = batch.bucket, self.args.page_size
+        T, R, n, r = bucket.num_tokens, bucket.num_reqs, batch.num_tokens, batch.num_reqs
+        assert batch.input_ids.shape == (T,) and batch.seq_lens.shape == (R,)
+        assert n <= T and r <= R and int(batch.extend_seq_lens.sum()) == n
+        assert not batch.seq_lens[r:].any() and not batch.extend_seq_lens[r:].any()
+        assert (batch.out_cache_loc[n:] // ps == DUMMY_PAGE).all(), "padding off the dummy page"
+        real_slots = batch.out_cache_loc[:n]
+        assert len(set(real_slots.tolist())) == n, "two tokens write one KV slot"
+        assert (real_slots // ps != DUMMY_PAGE).all(), "a real token writes the dummy page"
+        ids = batch.input_ids.astype(np.int64)
+        src = batch.input_token_src
+        if (src >= 0).any():
+            assert prev is not None, "a token on the device, but no step in flight"
+            ids = np.where(src >= 0, prev.next_token_ids[np.clip(src, 0, None)], ids)
+        self.kv[real_slots] = ids[:n]
+        tokens = np.zeros(self.rows, np.int32)
+        start = 0
+        for i in range(r):
+            length, new = int(batch.seq_lens[i]), int(batch.extend_seq_lens[i])
+            assert int(batch.extend_prefix_lens[i]) + new == length
+            positions = np.arange(length)
+            pages = batch.page_table[i][positions // ps]
+            assert (pages != DUMMY_PAGE).all(), "a request reads the dummy page"
+            seq = self.kv[pages * ps + positions % ps]
+            assert (seq >= 0).all(), "a request reads KV that was never written"
+            # Its new tokens are the last `new` of what it reads: positions and slots agree.
+            assert (seq[length - new:] == ids[start:start + new]).all()
+            tokens[i] = next_token(seq)
+            start += new
+        return FakeResult(tokens, np.zeros(self.rows, np.float32), r)
