@@ -5,6 +5,7 @@ variables of our own.
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
@@ -62,8 +63,10 @@ class EngineArgs:
     pallas_interpret: bool = False
 
     # Compilation. Every bucket is compiled at start-up; `disallow_compile_after_warmup` makes any
-    # later compile raise instead of silently stalling a step.
-    compilation_cache_dir: str | None = None
+    # later compile raise instead of silently stalling a step. Compiled executables are kept in
+    # `compilation_cache_dir` so the next start-up loads them: "auto" is a per-user cache
+    # ($XDG_CACHE_HOME or ~/.cache, then jaxrunner/compilation); None or "" keeps nothing.
+    compilation_cache_dir: str | None = "auto"
     disallow_compile_after_warmup: bool = False
     show_progress: bool = True
 
@@ -121,6 +124,15 @@ class EngineArgs:
             raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @property
+    def compilation_cache_path(self) -> str | None:
+        """The directory `compilation_cache_dir` names, "auto" resolved; None for no cache."""
+        if self.compilation_cache_dir == "auto":
+            root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                    ".cache")
+            return os.path.join(root, "jaxrunner", "compilation")
+        return self.compilation_cache_dir or None
 
     @property
     def chunk_size(self) -> int:

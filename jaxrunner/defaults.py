@@ -7,6 +7,8 @@ Chosen from the platform and the KV capacity, as SGLang chooses its own from the
 | `max_running_requests` | 128 | 256 | CPU: 2-core decode throughput rises until about 128 rows (bench_one_batch), and 128 runs the offline benchmark's whole default workload at once; accelerators keep gaining past 256 but every decode bucket is one more executable |
 | `max_prefill_tokens` | 1024 | 8192 | CPU: 1024 was faster than 2048 on the random offline benchmark (26.4 s vs 25.5 s) since a prefill step stalls decoding; accelerators: SGLang's chunked prefill size for large GPUs |
 | cap of both | KV pages | KV pages | a running request holds at least one page; a prefill step cannot write more tokens than the cache holds |
+| KV cache (no `max_total_tokens`) | `mem_fraction_static` of free host memory, at most 2 GiB and at most every running request at full context | `mem_fraction_static` of device memory less the weights | host memory is shared with everything else, and start-up writes every byte of the cache (1 to 2.5 s per GiB on the 2-core VMs, overlapped with compiling); 2 GiB holds 256k tokens of the small model, over twice what the offline benchmark's 128 requests can reach (vLLM's CPU default is 4 GiB) |
+| compile | LLVM optimisation level 1 | XLA's default | on a CPU the matmuls are YNNPACK's and attention is the C++ kernel, so LLVM -O3 on the remaining fusions bought no measurable step time and cost 20% of every compile |
 
 `docs/performance.md` has the benchmark runs behind the CPU column.
 """
@@ -14,6 +16,9 @@ Chosen from the platform and the KV capacity, as SGLang chooses its own from the
 from jaxrunner.buckets import MIN_DECODE_BATCH, MIN_EXTEND_TOKENS
 
 _MAX_RUNNING_REQUESTS = {"cpu": 128}
+CPU_MAX_KV_BYTES = 2 << 30
+# XLA compile options by platform (see the table).
+COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 1}}
 _MAX_PREFILL_TOKENS = {"cpu": 1024}
 _ACCELERATOR_MAX_RUNNING_REQUESTS = 256
 _ACCELERATOR_MAX_PREFILL_TOKENS = 8192

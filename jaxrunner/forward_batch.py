@@ -105,9 +105,11 @@ def compute_positions(extend_prefix_lens, extend_seq_lens, num_tokens: int):
     """
     extend_start_loc = jnp.cumsum(extend_seq_lens) - extend_seq_lens
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    # Request of each token: how many requests start at or before it, minus one.
-    token_to_req = jnp.searchsorted(extend_start_loc + extend_seq_lens, token, side="right")
-    token_to_req = jnp.minimum(token_to_req, extend_seq_lens.shape[0] - 1).astype(jnp.int32)
+    # Request of each token: how many requests end at or before it. A [T, R] comparison rather
+    # than a search: as fast on the device and several times cheaper to trace at start-up.
+    ends = extend_start_loc + extend_seq_lens
+    token_to_req = jnp.sum(token[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+    token_to_req = jnp.minimum(token_to_req, extend_seq_lens.shape[0] - 1)
     positions = extend_prefix_lens[token_to_req] + token - extend_start_loc[token_to_req]
     positions = jnp.where(token < jnp.sum(extend_seq_lens), positions, 0).astype(jnp.int32)
     return positions, extend_start_loc.astype(jnp.int32), token_to_req

@@ -8,6 +8,7 @@ through the scan as loop state, and the attention of layer l reads and writes th
 slice in place (`models/llama.py`).
 """
 
+import threading
 from functools import partial
 
 import jax
@@ -16,22 +17,50 @@ import numpy as np
 
 
 class TokenToKVPool:
-    """The KV cache array, replaced by each step's donated output."""
+    """The KV cache array, replaced by each step's donated output.
+
+    The zeros are written in a thread of their own while the engine compiles (writing gigabytes
+    takes seconds on a CPU, where nothing else overlaps it); compiling needs only `spec`, and
+    the first read of `kv_cache` waits for them.
+    """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype, sharding=None, *, abstract: bool = False):
-        """`abstract`: a ShapeDtypeStruct instead of memory (for compiling only)."""
+        """`abstract`: no memory at all (for compiling only); `kv_cache` is then `spec`."""
         self.page_size = page_size
         self.num_layers = num_layers
         self.shape = (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
         self.dtype = jnp.dtype(dtype)
-        if abstract:
-            self.kv_cache = jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
-            return
-        # Zeros made on the devices, each in its own shards: no host copy of the cache, and a
-        # sharding that spans several processes (multi-host) works the same way.
-        self.kv_cache = jax.jit(partial(jnp.zeros, self.shape, self.dtype),
-                                out_shardings=sharding)()
+        self.spec = jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
+        self._cache = self.spec if abstract else None
+        self._error: BaseException | None = None
+        self._allocating = None
+        if not abstract:
+            # Zeros made on the devices, each in its own shards: no host copy of the cache, and
+            # a sharding that spans several processes (multi-host) works the same way.
+            zeros = jax.jit(partial(jnp.zeros, self.shape, self.dtype), out_shardings=sharding)
+            self._allocating = threading.Thread(target=self._allocate, args=(zeros,),
+                                                name="kv-cache-zeros", daemon=True)
+            self._allocating.start()
+
+    def _allocate(self, zeros) -> None:
+        try:
+            self._cache = jax.block_until_ready(zeros())
+        except BaseException as e:  # re-raised on first use
+            self._error = e
+
+    @property
+    def kv_cache(self):
+        if self._allocating is not None:
+            self._allocating.join()
+            self._allocating = None
+            if self._error is not None:
+                raise self._error
+        return self._cache
+
+    @kv_cache.setter
+    def kv_cache(self, value) -> None:
+        self._cache = value
 
     @property
     def layer_shape(self) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, pick_bucket
                                sample_batch_sizes)
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
+from jaxrunner.executable_cache import ExecutableCache
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.kv_cache import TokenToKVPool, available_kv_memory, kv_bytes_per_token
@@ -38,6 +39,13 @@ from models.registry import model_class
 from models.sharding import ShardedPlacer, sharded_model_config
 
 logger = logging.getLogger(__name__)
+
+# Engine arguments that do not change any compiled program (left out of the executable cache's
+# key, so e.g. another checkpoint of the same shapes or another scheduling policy reuses it).
+_SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", "show_progress",
+                         "disallow_compile_after_warmup", "compilation_cache_dir", "random_seed",
+                         "schedule_policy", "schedule_conservativeness", "disable_radix_cache",
+                         "disable_overlap_schedule", "enable_mixed_chunk", "chunked_prefill_size")
 
 
 @jax.tree_util.register_dataclass
@@ -91,8 +99,11 @@ class ModelRunner:
         # This process's first device: its platform and memory size the KV cache.
         self.device = jax.local_devices()[0]
         self.compile_monitor = compile_monitor or CompileMonitor()
-        if args.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        if args.compilation_cache_path and jax.process_count() > 1:
+            # One process: the executable cache (precompile). Several: JAX's own cache, which
+            # every process can read. Never both: an executable JAX's cache loaded serialises
+            # into an entry that cannot run (its kernels' object code is not kept).
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_path)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         self.context_len = args.context_length or model_config.max_position_embeddings
@@ -151,9 +162,9 @@ class ModelRunner:
             budget = available_kv_memory(self.device, self.weights_bytes, args.mem_fraction_static)
             max_total_tokens = budget // per_token
             if self.device.platform == "cpu":
-                # Host memory is shared with everything else; more than every running request
-                # at full context buys nothing.
-                max_total_tokens = min(max_total_tokens,
+                # Host memory is shared with everything else, and more than every running
+                # request at full context buys nothing (jaxrunner/defaults.py).
+                max_total_tokens = min(max_total_tokens, defaults.CPU_MAX_KV_BYTES // per_token,
                                        args.max_running_requests * self.context_len)
         num_pages = max_total_tokens // args.page_size + 1  # + the dummy page
         if num_pages < 2:
@@ -223,6 +234,9 @@ class ModelRunner:
                                 out_shardings=(io_sharding, self.parallel.kv_cache))
         self._sample_fn = jax.jit(sample_fn, in_shardings=io_sharding,
                                   out_shardings=io_sharding)
+        self.compiler_options = defaults.COMPILER_OPTIONS.get(self.device.platform)
+        self.executable_cache = ExecutableCache.create(
+            self.args.compilation_cache_path, self._program_fingerprint())
         self.executables: dict[tuple[Bucket, CaptureHiddenMode], object] = {}
         self.sample_executables: dict[int, object] = {}
         sizes = sample_batch_sizes(self.buckets)
@@ -235,12 +249,37 @@ class ModelRunner:
                 future.result()
                 progress.update()
         progress.close()
+        if not self.abstract:
+            jax.block_until_ready(self.token_to_kv_pool.kv_cache)  # the zeros, written meanwhile
         self.warm_compile_count = self.compile_monitor.count
+
+    def _program_fingerprint(self) -> tuple:
+        """What the compiled programs depend on, for the executable cache's key."""
+        def describe(x):
+            return (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None)))
+        kv = self.token_to_kv_pool.spec
+        args = {k: v for k, v in dataclasses.asdict(self.args).items()
+                if k not in _SCHEDULING_ONLY_ARGS}
+        return (repr(jax.tree.map(describe, self.state)), describe(kv), args,
+                dataclasses.asdict(self.sharded_config), self.attention_backend_name,
+                self.compiler_options, self.max_batch_rows, self.max_pages_per_req,
+                str(self.parallel.mesh))
+
+    def _compiled(self, name: str, lower):
+        """The executable `name`: from the executable cache, or lowered and compiled."""
+        cache = self.executable_cache
+        compiled = cache.get(name) if cache is not None else None
+        if compiled is None:
+            compiled = lower().compile(self.compiler_options)
+            if cache is not None:
+                cache.put(name, compiled)
+        return compiled
 
     def _compile_step(self, bucket: Bucket, capture: CaptureHiddenMode):
         fb_spec = self._per_dp_rank(self.forward_batch_spec(bucket, capture))
-        compiled = self._step_fn.lower(self.state, self.token_to_kv_pool.kv_cache,
-                                       fb_spec).compile()
+        compiled = self._compiled(
+            f"step {bucket.mode.name} {bucket.num_tokens}x{bucket.num_reqs} {capture.name}",
+            lambda: self._step_fn.lower(self.state, self.token_to_kv_pool.spec, fb_spec))
         self.executables[(bucket, capture)] = compiled
         return compiled
 
@@ -248,7 +287,8 @@ class ModelRunner:
         spec = self._per_dp_rank(abstract_sampling_batch(size))
         logits = self._per_dp_rank(
             jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32))
-        self.sample_executables[size] = self._sample_fn.lower(logits, spec).compile()
+        self.sample_executables[size] = self._compiled(
+            f"sample {size}", lambda: self._sample_fn.lower(logits, spec))
 
     def _per_dp_shape(self, *shape) -> tuple:
         return shape if self.parallel.dp_size == 1 else (self.parallel.dp_size, *shape)

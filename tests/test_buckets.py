@@ -33,8 +33,8 @@ def test_pick_bucket_takes_the_smallest_fit():
     buckets = all_buckets(512, 64)
     assert pick_bucket(buckets, ForwardMode.DECODE, 5, 5) == Bucket(ForwardMode.DECODE, 8, 8)
     assert pick_bucket(buckets, ForwardMode.DECODE, 1, 1) == Bucket(ForwardMode.DECODE, 2, 2)
-    assert pick_bucket(buckets, ForwardMode.EXTEND, 33, 2) == Bucket(ForwardMode.EXTEND, 48, 4)
-    assert pick_bucket(buckets, ForwardMode.EXTEND, 97, 2) == Bucket(ForwardMode.EXTEND, 128, 4)
+    assert pick_bucket(buckets, ForwardMode.EXTEND, 33, 2) == Bucket(ForwardMode.EXTEND, 48, 2)
+    assert pick_bucket(buckets, ForwardMode.EXTEND, 97, 9) == Bucket(ForwardMode.EXTEND, 128, 64)
     with pytest.raises(ValueError, match="no EXTEND bucket"):
         pick_bucket(buckets, ForwardMode.EXTEND, 513, 1)
     with pytest.raises(ValueError, match="no DECODE bucket"):
