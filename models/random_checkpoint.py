@@ -96,10 +96,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # The benchmark model at Llama-3-8B's depth: start-up must not grow with the layer count.
 PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
-# The benchmark model's shapes with residual writes too faint to matter: its greedy output is
-# nearly a function of the last token, so it settles into a cycle and repeats what its prompt
-# holds (the workload n-gram speculation is for; scripts/bench_speculative.py).
-PRESETS["small-repeat"] = dict(PRESETS["small"], residual_write_scale=0.02)
+# The benchmark model's shapes with no residual writes (o_proj and down_proj zero, the compute
+# unchanged): the next greedy token is a function of the current one, so greedy output runs
+# into a cycle of that function, and a prompt that holds the cycle is continued by repeating it
+# (the workload n-gram speculation is for; scripts/bench_speculative.py). Random weights have no
+# induction heads, so no other random model repeats its prompt.
+PRESETS["small-repeat"] = dict(PRESETS["small"], residual_write_scale=0.0)
 # A draft model for the benchmark model (its vocabulary, a quarter of its width and depth).
 PRESETS["small-draft"] = dict(PRESETS["small"], hidden_size=256, intermediate_size=704,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -178,21 +180,25 @@ def make_checkpoint(
 def cached_checkpoint(preset: str, root: str | Path, **kwargs: Any) -> Path:
     """`root/preset`, made by `make_checkpoint(..., **kwargs)` unless a complete one is there.
 
-    Complete means the marker file, written last, exists; a half-written directory is rebuilt. The
+    Complete means the marker file, written last, exists and names the preset's current spec (a
+    checkpoint of an older version of the preset is rebuilt); a half-written directory is rebuilt. The
     build happens in a temporary sibling directory renamed into place, so concurrent callers (e.g.
     pytest-xdist workers) never see a partial checkpoint. For a session-scoped pytest fixture:
     `cached_checkpoint("tiny-llama", tmp_path_factory.getbasetemp() / "checkpoints")`.
     """
     final = Path(root) / preset
-    if (final / _MARKER).is_file():
+    marker = json.dumps({"preset": preset, "spec": PRESETS.get(preset), **kwargs},
+                        sort_keys=True, default=str)
+    if (final / _MARKER).is_file() and (final / _MARKER).read_text() == marker:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{preset}.tmp-{uuid.uuid4().hex}"
     try:
         make_checkpoint(tmp, preset, **kwargs)
-        (tmp / _MARKER).write_text(json.dumps({"preset": preset, **kwargs}))
-        if final.exists() and not (final / _MARKER).is_file():
-            shutil.rmtree(final, ignore_errors=True)  # a half-written one from an older crash
+        (tmp / _MARKER).write_text(marker)
+        if final.exists() and (not (final / _MARKER).is_file()
+                               or (final / _MARKER).read_text() != marker):
+            shutil.rmtree(final, ignore_errors=True)  # half-written, or of an older preset
         try:
             os.rename(tmp, final)
         except OSError:

@@ -1,15 +1,15 @@
 """Speculative decoding against plain decoding: output tok/s and accept length per algorithm, batch
 size and workload, in one run; prints JSON and a table.
 
-    python scripts/bench_speculative.py                         # the built-in small model
+    python scripts/bench_speculative.py                         # built-in small-repeat model
     python scripts/bench_speculative.py --algorithms NGRAM EAGLE --batch-sizes 1 4
     python scripts/bench_speculative.py --simulate-accept 0.5 0.9   # + forced acceptance
 
 For each algorithm one engine serves every (workload, batch size): `batch` requests at once,
 greedy, `--output-len` tokens each, timed after a warm-up. Workloads:
-- `repeat`: prompts the model repeats: the last tokens of its own long greedy generations
-  (greedy decoding of a model settles into a cycle, and the prompt holds that cycle), what
-  n-gram lookup is for (code edits, quoting, retrieval answers);
+- `repeat`: prompts the model repeats: the cycle its own long greedy generation ends in (the
+  default model's next token is a function of the current one; see `small-repeat` in
+  models/random_checkpoint.py), what n-gram lookup is for (code edits, quoting, retrieval);
 - `random`: random prompts.
 Drafts: NGRAM needs none; STANDALONE uses `--draft-model-path` (default: the built-in
 `small-draft`, a 2-layer model of the same vocabulary); EAGLE and EAGLE3 random heads in their
@@ -39,7 +39,8 @@ FIRST_ORDINARY_ID = 8
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", help="target checkpoint (default: the built-in small model)")
+    p.add_argument("--model-path", help="target checkpoint (default: the built-in `small-repeat`, "
+                   "the benchmark model's shapes with faint residual writes, so it repeats)")
     p.add_argument("--draft-model-path", help="STANDALONE's draft (default: small-draft)")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
@@ -63,8 +64,20 @@ def make_prompts(engine, workload, n, prompt_len, seed):
     if workload == "random":
         return prompts
     outs = engine.generate(input_ids=prompts, sampling_params={
-        "max_new_tokens": 4 * prompt_len, "temperature": 0.0, "ignore_eos": True})
-    return [o["output_ids"][-prompt_len:] for o in outs]
+        "max_new_tokens": min(max(512, 4 * prompt_len), engine.context_len - prompt_len - 1),
+        "temperature": 0.0, "ignore_eos": True})
+    return [repeating_prompt(o["output_ids"], prompt_len) for o in outs]
+
+
+def repeating_prompt(output: list[int], prompt_len: int) -> list[int]:
+    """The greedy cycle `output` ends in, repeated to at least `prompt_len` tokens and ending
+    where `output` does (so the model continues it); the last `prompt_len` tokens when no
+    cycle shows."""
+    for period in range(1, len(output) // 2 + 1):
+        if output[-period:] == output[-2 * period:-period]:
+            cycle = output[-period:]
+            return (cycle * -(-prompt_len // period))[-max(prompt_len, period):]
+    return output[-prompt_len:]
 
 
 def timed_run(engine, prompts, output_len):
@@ -121,8 +134,8 @@ def engine_for(args, model_path, algorithm, draft_paths, cache=True):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model_path = args.model_path or str(cached_checkpoint("small", ROOT / "checkpoints"))
-    preset = None if args.model_path else "small"
+    preset = None if args.model_path else "small-repeat"
+    model_path = args.model_path or str(cached_checkpoint(preset, ROOT / "checkpoints"))
     draft_paths = {"STANDALONE": args.draft_model_path or str(
         cached_checkpoint("small-draft", ROOT / "checkpoints"))}
     for algorithm in ("EAGLE", "EAGLE3"):
@@ -130,7 +143,7 @@ def main(argv=None) -> dict:
             if preset is None:
                 raise SystemExit(f"{algorithm} heads are made for the built-in model; give "
                                  f"--model-path only with NGRAM / STANDALONE")
-            out = ROOT / "checkpoints" / f"small-{algorithm.lower()}"
+            out = ROOT / "checkpoints" / f"{preset}-{algorithm.lower()}"
             if not (out / "model.safetensors").is_file():
                 make_eagle_checkpoint(out, algorithm, preset)
             draft_paths[algorithm] = str(out)

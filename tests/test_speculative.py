@@ -323,3 +323,26 @@ def test_a_draft_that_cannot_serve_the_target_is_refused(checkpoint, eagle_head,
     with pytest.raises(ValueError, match="hidden"):
         Engine(model_path=str(target), speculative_algorithm="EAGLE",
                speculative_draft_model_path=str(narrow))
+
+
+def test_serve_takes_the_speculative_flags_and_metrics_report_the_accept_length():
+    import argparse
+
+    from jaxrunner.cli import add_serve_args, engine_args_from
+    from jaxrunner.config import EngineArgs
+    from jaxrunner.server.metrics import ServerMetrics
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    ns = parser.parse_args(["--model-path", "m", "--speculative-algorithm", "NGRAM",
+                            "--speculative-num-steps", "5"])
+    args = EngineArgs(**engine_args_from(ns))
+    assert (args.speculative_algorithm, args.speculative_window) == ("NGRAM", 6)
+
+    metrics = ServerMetrics(lambda: {})
+    metrics.observe_finished("length", 10, 1.0, completion_tokens=12, spec_verify_ct=4)
+    metrics.observe_finished("length", 10, 1.0, completion_tokens=9, spec_verify_ct=3)
+    metrics.observe_finished("length", 10, 1.0, completion_tokens=5)  # not speculative
+    text = metrics.render().decode()
+    assert "jaxrunner_spec_accept_length 3.0" in text
+    assert "jaxrunner_spec_verify_steps_total 7.0" in text
