@@ -25,13 +25,16 @@ EXTEND_REQS_GROWTH = 8
 class Bucket:
     """The static shape of one compiled step."""
 
-    mode: ForwardMode     # DECODE or EXTEND
+    mode: ForwardMode     # DECODE, EXTEND, or a speculative mode
     num_tokens: int       # padded token count T
     num_reqs: int         # padded request count R
 
     def __post_init__(self):
         if self.mode == ForwardMode.DECODE and self.num_tokens != self.num_reqs:
             raise ValueError(f"a decode bucket has one token per request, got {self}")
+        if self.mode.is_batch_size_bucketed() and self.num_tokens % self.num_reqs:
+            raise ValueError(f"a {self.mode.name} bucket has a fixed token count per request, "
+                             f"got {self}")
 
 
 def _extend_reqs(hi: int) -> list[int]:
@@ -98,6 +101,14 @@ def extend_buckets(max_prefill_tokens: int, max_running_requests: int) -> list[B
     return buckets
 
 
+def verify_buckets(max_running_requests: int, window: int,
+                   mode: ForwardMode = ForwardMode.TARGET_VERIFY) -> list[Bucket]:
+    """Speculative steps of `window` tokens per request (TARGET_VERIFY, DRAFT_EXTEND), at the
+    decode batch sizes."""
+    return [Bucket(mode, b.num_reqs * window, b.num_reqs)
+            for b in decode_buckets(max_running_requests)]
+
+
 def all_buckets(max_prefill_tokens: int, max_running_requests: int) -> list[Bucket]:
     return (decode_buckets(max_running_requests)
             + extend_buckets(max_prefill_tokens, max_running_requests))
@@ -110,6 +121,8 @@ def executable_mode(mode: ForwardMode) -> ForwardMode:
         return ForwardMode.DECODE
     if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
         return ForwardMode.EXTEND
+    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+        return mode
     raise ValueError(f"forward mode {mode.name} has no buckets")
 
 

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -73,6 +74,24 @@ class EngineArgs:
     # Seeds the random seeds of requests that don't bring their own.
     random_seed: int = 0
 
+    # Speculative decoding (jaxrunner/speculative/, SGLang's names): None, "EAGLE", "EAGLE3",
+    # "STANDALONE" (any model the engine serves as the draft) or "NGRAM" (continuations of the
+    # request's own tokens, no draft model). Each round drafts speculative_num_steps tokens per
+    # request, verifies them in one TARGET_VERIFY step of the target and keeps the longest
+    # accepted prefix plus one token of the target's.
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int = 3
+    # Branches per draft step: 1 drafts a chain; > 1 is tree drafting, not implemented (it
+    # raises at start-up).
+    speculative_eagle_topk: int = 1
+    # Tokens one verify step checks per request; None: speculative_num_steps + 1 (a chain).
+    speculative_num_draft_tokens: int | None = None
+    # NGRAM: the longest and shortest suffix of a request's tokens matched against its earlier
+    # tokens.
+    speculative_ngram_max_match: int = 8
+    speculative_ngram_min_match: int = 1
+
     # Parallelism (jaxrunner/parallel.py): a (dp_size, tp_size) mesh. `tp_size` shards heads and
     # MLP columns (it must divide num_attention_heads); `dp_size` > 1 is DP attention, each rank
     # with its own requests and KV pages.
@@ -122,8 +141,63 @@ class EngineArgs:
             raise ValueError("a multi-host run (nnodes > 1) needs dist_init_addr (host:port)")
         if self.dist_init_addr is not None and self.dist_init_addr.rpartition(":")[0] == "":
             raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        self._check_speculative()
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    def _check_speculative(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            return
+        if algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or "
+                             f"None, got {algorithm!r}")
+        if algorithm in ("EAGLE", "EAGLE3", "STANDALONE") and not self.speculative_draft_model_path:
+            raise ValueError(f"speculative_algorithm {algorithm!r} needs "
+                             f"speculative_draft_model_path (the draft checkpoint)")
+        if algorithm == "NGRAM" and self.speculative_draft_model_path:
+            raise ValueError("speculative_algorithm 'NGRAM' uses no draft model; do not pass "
+                             "speculative_draft_model_path")
+        for name in ("speculative_num_steps", "speculative_eagle_topk",
+                     "speculative_ngram_max_match", "speculative_ngram_min_match"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer, got "
+                                 f"{getattr(self, name)!r}")
+        if self.speculative_ngram_min_match > self.speculative_ngram_max_match:
+            raise ValueError("speculative_ngram_min_match exceeds speculative_ngram_max_match")
+        topk, steps = self.speculative_eagle_topk, self.speculative_num_steps
+        tokens = self.speculative_num_draft_tokens
+        if tokens is not None:
+            if not _positive_int(tokens):
+                raise ValueError(f"speculative_num_draft_tokens must be a positive integer, got "
+                                 f"{tokens!r}")
+            # A tree of depth `steps` needs its root and one node per level at least; a chain
+            # is exactly steps + 1 tokens.
+            if tokens < steps + 1:
+                raise ValueError(f"speculative_num_draft_tokens ({tokens}) is too small for "
+                                 f"speculative_num_steps={steps}: a verify step holds the last "
+                                 f"token and one draft per step, at least {steps + 1}")
+            if topk == 1 and tokens != steps + 1:
+                raise ValueError(f"with speculative_eagle_topk=1 (a chain) "
+                                 f"speculative_num_draft_tokens must be speculative_num_steps + 1"
+                                 f" = {steps + 1}, got {tokens}")
+            if tokens > 1 + topk * steps * topk:
+                raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds what "
+                                 f"{steps} steps of top-{topk} can draft")
+        if topk > 1:
+            raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not implemented; "
+                             "use speculative_eagle_topk=1 (a chain)")
+        if self.enable_mixed_chunk:
+            raise ValueError("enable_mixed_chunk cannot be combined with speculative decoding "
+                             "(decoding requests run verify steps, not one-token rows)")
+        if self.dp_size > 1:
+            raise ValueError("speculative decoding with dp_size > 1 (DP attention) is not "
+                             "implemented")
+
+    @property
+    def speculative_window(self) -> int:
+        """Tokens a verify step computes per request: the last token and the drafts."""
+        return self.speculative_num_draft_tokens or self.speculative_num_steps + 1
 
     @property
     def compilation_cache_path(self) -> str | None:

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.dp_scheduler import DataParallelScheduler
-from jaxrunner.model_worker import ModelWorker
+from jaxrunner.model_worker import create_worker
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.schedule_batch import Req
 from jaxrunner.scheduler import Scheduler
@@ -38,7 +38,7 @@ class Engine:
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.compile_monitor = CompileMonitor()
-        self.worker = ModelWorker(args, self.model_config, self.compile_monitor)
+        self.worker = create_worker(args, self.model_config, self.compile_monitor)
         self.args = self.worker.args
         if self.args.disallow_compile_after_warmup:
             self.compile_monitor.forbid()
@@ -189,6 +189,9 @@ class Engine:
         meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
                 "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
                 "finish_reason": req.finished_reason}
+        if self.args.speculative_algorithm is not None:
+            # SGLang's: verify rounds, so accept length = completion_tokens / spec_verify_ct.
+            meta["spec_verify_ct"] = req.spec_verify_ct
         if req.return_logprob:
             meta["output_token_logprobs"] = [(lp, t, None)
                                              for lp, t in zip(req.output_logprobs, req.output_ids)]

@@ -42,6 +42,8 @@ class ForwardBatch:
     extend_seq_lens: jax.Array     # i32[R]: new tokens per request
     extend_prefix_lens: jax.Array  # i32[R]: tokens already in the cache per request
     page_table: jax.Array          # i32[R, P]: KV pages of each request
+    # What a speculative mode needs besides (jaxrunner/speculative/spec_info.py); None else.
+    spec_info: object = None
 
     # Filled by `prepare()` inside the step.
     positions: jax.Array | None = None         # i32[T]: position of each token in its sequence

@@ -83,6 +83,16 @@ class ReqToTokenPool:
     def pages(self, slot: int) -> np.ndarray:
         return self.page_table[slot, :self.num_pages[slot]]
 
+    def truncate(self, slot: int, num_pages: int) -> np.ndarray:
+        """Keeps the slot's first `num_pages` pages; returns the others, for the allocator."""
+        held = int(self.num_pages[slot])
+        if num_pages >= held:
+            return np.zeros(0, np.int32)
+        pages = self.page_table[slot, num_pages:held].copy()
+        self.page_table[slot, num_pages:held] = DUMMY_PAGE
+        self.num_pages[slot] = num_pages
+        return pages
+
     def free_slot(self, slot: int) -> np.ndarray:
         """Releases the slot and returns the pages it held, for the allocator."""
         pages = self.pages(slot).copy()

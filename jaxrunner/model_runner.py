@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 
 from jaxrunner import defaults, distributed
 from jaxrunner.attention import AttentionConfig, create_attention_backend, resolve_backend_name
-from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, pick_bucket,
-                               sample_batch_sizes)
+from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, extend_buckets,
+                               pick_bucket, sample_batch_sizes, verify_buckets)
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.executable_cache import ExecutableCache
@@ -33,6 +33,8 @@ from jaxrunner.kv_cache import TokenToKVPool, available_kv_memory, kv_bytes_per_
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.parallel import Parallelism, data_parallel_step
 from jaxrunner.sampler import SamplingBatch, abstract_sampling_batch, sample
+from jaxrunner.speculative.spec_info import VerifyInput
+from jaxrunner.speculative.steps import captured_hidden, verify_step
 from models.config import ModelConfig
 from models.loader import load_model
 from models.registry import model_class
@@ -59,25 +61,38 @@ class ForwardModeNotImplemented(NotImplementedError):
     """A batch asked for a forward mode the runner has no path for."""
 
 
+@dataclass(frozen=True)
+class SpeculativePlan:
+    """What a target runner compiles for speculative decoding (jaxrunner/speculative/)."""
+
+    window: int                    # W: tokens a verify step computes per request
+    aux_layers: tuple[int, ...]    # EAGLE-3: the layers whose inputs its head reads
+    capture: bool                  # extend and verify steps return what an EAGLE head reads
+    draft_buffer: bool             # verify reads the draft model's token buffer [S, W]; else
+    #                                the drafts come from the host [R, D] (NGRAM)
+    draft_kv_bytes_per_token: int  # the draft's KV, on the same pages as the target's
+
 def _resolve_dtype(name: str, cfg: ModelConfig):
     if name == "auto":
         name = cfg.torch_dtype if cfg.torch_dtype in ("float32", "bfloat16") else "bfloat16"
     return jnp.dtype(name)
 
 
-def _forward_step(graphdef, backend, state, kv_cache, fb: ForwardBatch):
+def _forward_step(graphdef, backend, aux_layers, state, kv_cache, fb: ForwardBatch):
     """The compiled step: the inputs still on the device and the positions, the decoder over all
-    tokens, logits at each request's last token."""
+    tokens, logits at each request's last token. With hidden-state capture, the hidden states
+    after the final norm, or the inputs of `aux_layers` side by side (EAGLE-3's)."""
     fb = fb.prepare()
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(fb, kv_cache, backend)
+    capture = fb.capture_hidden_mode
+    hidden, kv_cache, aux = model(fb, kv_cache, backend,
+                                  aux_layers=aux_layers if capture.need_capture() else ())
     last_hidden = hidden[fb.last_token_indices]
-    if fb.capture_hidden_mode.is_full():
-        captured = hidden
-    elif fb.capture_hidden_mode.is_last():
-        captured = last_hidden
-    else:
-        captured = hidden[:0]
+    captured = captured_hidden(hidden, aux)
+    if capture.is_last():
+        captured = captured[fb.last_token_indices]
+    elif not capture.is_full():
+        captured = captured[:0]
     return LogitsOutput(model.compute_logits(last_hidden), captured), kv_cache
 
 
@@ -89,10 +104,13 @@ def _sample_padded(logits, sampling: SamplingBatch, *, num_rows: int):
 
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_config: ModelConfig,
-                 compile_monitor: CompileMonitor | None = None, *, abstract: bool = False):
+                 compile_monitor: CompileMonitor | None = None, *, abstract: bool = False,
+                 speculative: SpeculativePlan | None = None):
         """`abstract`: build from shapes alone, with no weights read and no KV memory, and only
-        compile (`compile_only`)."""
+        compile (`compile_only`). `speculative`: the target of speculative decoding, which
+        verifies drafts instead of decoding (jaxrunner/speculative/spec_worker.py)."""
         self.abstract = abstract
+        self.speculative = speculative
         self.model_config = model_config
         distributed.initialize(args)  # multi-host: before anything touches a device
         self.parallel = Parallelism.create(args.tp_size, args.dp_size)
@@ -112,10 +130,35 @@ class ModelRunner:
         self.configure_kv_cache_dtype()
         self.init_memory_pool()
         self.init_attention_backend()
-        self.buckets = all_buckets(self.args.max_prefill_tokens, self.args.max_running_requests)
+        self.buckets = self.plan_buckets()
         self.precompile()
 
     # ---- initialisation, in order ----
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.speculative.aux_layers if self.speculative else ()
+
+    def plan_buckets(self) -> list[Bucket]:
+        """The padded shapes this runner compiles. A speculative target verifies instead of
+        decoding: its running requests never take a plain decode step."""
+        args = self.args
+        if self.speculative is None:
+            return all_buckets(args.max_prefill_tokens, args.max_running_requests)
+        return (extend_buckets(args.max_prefill_tokens, args.max_running_requests)
+                + verify_buckets(args.max_running_requests, self.speculative.window))
+
+    def sample_sizes(self) -> list[int]:
+        """The padded request counts the sampler is compiled for."""
+        return sample_batch_sizes(self.buckets)
+
+    def capture_for(self, bucket: Bucket) -> CaptureHiddenMode:
+        """The capture mode `bucket`'s executable is compiled with: an EAGLE head reads every
+        prefill token's hidden state (a verify step returns its own, `SpeculativePlan.capture`)."""
+        if (self.speculative is not None and self.speculative.capture
+                and bucket.mode == ForwardMode.EXTEND):
+            return CaptureHiddenMode.FULL
+        return CaptureHiddenMode.NULL
 
     def _with_platform_defaults(self, args: EngineArgs) -> EngineArgs:
         """`args` with the limits the caller left out chosen for this platform
@@ -156,6 +199,8 @@ class ModelRunner:
         per_token = kv_bytes_per_token(cfg.num_hidden_layers,
                                        cfg.num_key_value_heads // self.parallel.tp_size,
                                        cfg.head_dim, self.kv_cache_dtype)
+        if self.speculative is not None:  # the draft's pages are the target's page ids
+            per_token += self.speculative.draft_kv_bytes_per_token
         if args.max_total_tokens is not None:
             max_total_tokens = args.max_total_tokens
         else:
@@ -224,14 +269,12 @@ class ModelRunner:
         self.no_prev_tokens = jax.device_put(
             np.zeros(self._per_dp_shape(self.max_batch_rows), np.int32),
             self.parallel.batch if self.parallel.dp_size > 1 else io_sharding)
-        step = partial(_forward_step, self.graphdef, self.attn_backend)
         sample_fn = partial(_sample_padded, num_rows=self.max_batch_rows)
         if self.parallel.dp_size > 1:
             io_sharding = self.parallel.batch
-            step = data_parallel_step(step, self.parallel.mesh)
             sample_fn = jax.vmap(sample_fn)
-        self._step_fn = jax.jit(step, donate_argnums=(1,),
-                                out_shardings=(io_sharding, self.parallel.kv_cache))
+        self._io_sharding = io_sharding
+        self._step_fns = {mode: self.jit_step(mode) for mode in {b.mode for b in self.buckets}}
         self._sample_fn = jax.jit(sample_fn, in_shardings=io_sharding,
                                   out_shardings=io_sharding)
         self.compiler_options = defaults.COMPILER_OPTIONS.get(self.device.platform)
@@ -239,10 +282,10 @@ class ModelRunner:
             self.args.compilation_cache_path, self._program_fingerprint())
         self.executables: dict[tuple[Bucket, CaptureHiddenMode], object] = {}
         self.sample_executables: dict[int, object] = {}
-        sizes = sample_batch_sizes(self.buckets)
+        sizes = self.sample_sizes()
         progress = tqdm(total=len(self.buckets) + len(sizes), desc="compiling buckets",
                         disable=not self.args.show_progress)
-        jobs = [partial(self._compile_step, b, CaptureHiddenMode.NULL) for b in self.buckets]
+        jobs = [partial(self._compile_step, b, self.capture_for(b)) for b in self.buckets]
         jobs += [partial(self._compile_sampler, size) for size in sizes]
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             for future in [pool.submit(job) for job in jobs]:
@@ -263,7 +306,7 @@ class ModelRunner:
         return (repr(jax.tree.map(describe, self.state)), describe(kv), args,
                 dataclasses.asdict(self.sharded_config), self.attention_backend_name,
                 self.compiler_options, self.max_batch_rows, self.max_pages_per_req,
-                str(self.parallel.mesh))
+                str(self.parallel.mesh), self.speculative)
 
     def _compiled(self, name: str, lower):
         """The executable `name`: from the executable cache, or lowered and compiled."""
@@ -275,11 +318,37 @@ class ModelRunner:
                 cache.put(name, compiled)
         return compiled
 
+    # ---- the step programs (the draft runner changes these) ----
+
+    def step_function(self, mode: ForwardMode):
+        """(weights, kv_cache, fb) -> (output, kv_cache) compiled for `mode`'s buckets."""
+        if mode == ForwardMode.TARGET_VERIFY:
+            return partial(verify_step, self.graphdef, self.attn_backend, self.aux_layers,
+                           self.speculative.capture)
+        return partial(_forward_step, self.graphdef, self.attn_backend, self.aux_layers)
+
+    def jit_step(self, mode: ForwardMode):
+        step = self.step_function(mode)
+        if self.parallel.dp_size > 1:
+            step = data_parallel_step(step, self.parallel.mesh)
+        return jax.jit(step, donate_argnums=(1,),
+                       out_shardings=(self._io_sharding, self.parallel.kv_cache))
+
+    def step_operands(self, abstract: bool = False) -> tuple:
+        """What every step takes before its ForwardBatch (the KV cache donated)."""
+        kv = self.token_to_kv_pool
+        return (self.state, kv.spec if abstract else kv.kv_cache)
+
+    def store_step_operands(self, donated: tuple) -> None:
+        """Keeps the step's donated operands that came back updated."""
+        (self.token_to_kv_pool.kv_cache,) = donated
+
     def _compile_step(self, bucket: Bucket, capture: CaptureHiddenMode):
         fb_spec = self._per_dp_rank(self.forward_batch_spec(bucket, capture))
         compiled = self._compiled(
             f"step {bucket.mode.name} {bucket.num_tokens}x{bucket.num_reqs} {capture.name}",
-            lambda: self._step_fn.lower(self.state, self.token_to_kv_pool.spec, fb_spec))
+            lambda: self._step_fns[bucket.mode].lower(*self.step_operands(abstract=True),
+                                                      fb_spec))
         self.executables[(bucket, capture)] = compiled
         return compiled
 
@@ -312,7 +381,22 @@ class ModelRunner:
             forward_mode=bucket.mode, capture_hidden_mode=capture, batch_size=R,
             input_ids=i32(T), input_token_src=i32(T), prev_tokens=i32(self.max_batch_rows),
             out_cache_loc=i32(T), seq_lens=i32(R), extend_seq_lens=i32(R),
-            extend_prefix_lens=i32(R), page_table=i32(R, P))
+            extend_prefix_lens=i32(R), page_table=i32(R, P), spec_info=self.spec_info_spec(bucket))
+
+    def spec_info_spec(self, bucket: Bucket):
+        """The abstract `ForwardBatch.spec_info` of a bucket (None outside speculative modes)."""
+        if bucket.mode != ForwardMode.TARGET_VERIFY:
+            return None
+        R, plan = bucket.num_reqs, self.speculative
+
+        def i32(*shape):
+            return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+        # The draft model's token buffer: a row per request slot, and a trash row.
+        slots = self.req_to_token_pools[0].num_slots + 1
+        drafts = i32(slots, plan.window) if plan.draft_buffer else i32(R, plan.window - 1)
+        return VerifyInput(drafts=drafts, slots=i32(R), num_drafts=i32(R),
+                           sampling=abstract_sampling_batch(R))
 
     # ---- serving ----
 
@@ -326,11 +410,27 @@ class ModelRunner:
             return self.forward_decode(fb)
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
             return self.forward_extend(fb)
+        if mode.is_target_verify():
+            return self.forward_target_verify(fb)
+        if mode.is_draft_extend():
+            return self.forward_draft_extend(fb)
         if mode.is_idle():
             raise ForwardModeNotImplemented(
                 "forward mode IDLE has no step of its own: a data-parallel rank without work "
                 "takes part in its ranks' joint step as padding rows (jaxrunner/dp_attention.py)")
         raise ForwardModeNotImplemented(f"forward mode {mode.name} is not implemented")
+
+    def forward_target_verify(self, fb: ForwardBatch):
+        """TARGET_VERIFY: a fixed number of tokens per request, bucketed by batch size; returns
+        the accepted drafts (`speculative.steps.VerifyOutput`)."""
+        if self.speculative is None:
+            raise ForwardModeNotImplemented("forward mode TARGET_VERIFY runs only on the target "
+                                            "of speculative decoding (speculative_algorithm)")
+        return self._replay(Bucket(ForwardMode.TARGET_VERIFY, fb.num_tokens, fb.batch_size), fb)
+
+    def forward_draft_extend(self, fb: ForwardBatch):
+        raise ForwardModeNotImplemented("forward mode DRAFT_EXTEND runs only on an EAGLE draft "
+                                        "head's runner (speculative_algorithm EAGLE or EAGLE3)")
 
     def forward_decode(self, fb: ForwardBatch) -> LogitsOutput:
         """One token per request, bucketed by batch size (the seed's CUDA-graph replay)."""
@@ -351,8 +451,8 @@ class ModelRunner:
                                    f"{fb.capture_hidden_mode.name}")
             # Hidden-state capture is compiled on first use: it is not a serving path.
             executable = self._compile_step(bucket, fb.capture_hidden_mode)
-        output, kv_cache = executable(self.state, self.token_to_kv_pool.kv_cache, fb)
-        self.token_to_kv_pool.kv_cache = kv_cache
+        output, *donated = executable(*self.step_operands(), fb)
+        self.store_step_operands(tuple(donated))
         return output
 
     def sample(self, logits_output: LogitsOutput, sampling: SamplingBatch):

@@ -26,6 +26,16 @@ from jaxrunner.schedule_batch import ModelWorkerBatch
 from models.config import ModelConfig
 
 
+def create_worker(args: EngineArgs, model_config: ModelConfig,
+                  compile_monitor: CompileMonitor | None = None):
+    """The worker an engine runs: a ModelWorker, or with speculative_algorithm the speculative
+    worker around one."""
+    if args.speculative_algorithm is not None:
+        from jaxrunner.speculative.spec_worker import SpeculativeWorker
+        return SpeculativeWorker(args, model_config, compile_monitor)
+    return ModelWorker(args, model_config, compile_monitor)
+
+
 @dataclass
 class GenerationBatchResult:
     """What one launched step produced, still on the device."""
@@ -45,8 +55,11 @@ class ModelWorker:
     """Owns the ModelRunner; builds forward batches and returns results."""
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig,
-                 compile_monitor: CompileMonitor | None = None):
-        self.model_runner = ModelRunner(args, model_config, compile_monitor)
+                 compile_monitor: CompileMonitor | None = None, speculative=None):
+        """`speculative`: a `model_runner.SpeculativePlan` for the target of speculative
+        decoding (`speculative.spec_worker.SpeculativeWorker` builds this worker)."""
+        self.model_runner = ModelRunner(args, model_config, compile_monitor,
+                                        speculative=speculative)
 
     # ---- what the scheduler needs to know ----
 

@@ -90,7 +90,7 @@ def _sample_rows(logits: jax.Array, batch: SamplingBatch, is_greedy: jax.Array) 
     )  # [R]
     scaled = jax.lax.cond(
         jnp.any(wants_filter & ~is_greedy),
-        lambda z: _filter(z, batch),
+        lambda z: filter_logits(z, batch),
         lambda z: z,
         scaled,
     )
@@ -100,7 +100,7 @@ def _sample_rows(logits: jax.Array, batch: SamplingBatch, is_greedy: jax.Array) 
     return first_argmax(scaled + gumbel)  # [R]
 
 
-def _filter(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
+def filter_logits(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
     """Sets logits outside each row's top-k / top-p / min-p set to -inf; off filters keep all."""
     vocab = scaled.shape[-1]
     ranks = jnp.arange(vocab)  # [V]

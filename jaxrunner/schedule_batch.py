@@ -46,6 +46,7 @@ class Req:
     num_tree_pages: int = 0
     cached_tokens: int = 0         # prompt tokens served from the prefix cache
     num_retractions: int = 0
+    spec_verify_ct: int = 0        # speculative rounds (verify steps) it took part in
     finished_reason: dict | None = None
     # Set when a stop string ended the request: the text, cut before the stop string.
     stopped_text: str | None = None
@@ -95,6 +96,11 @@ class ModelWorkerBatch:
     page_table: np.ndarray         # i32[R, max_pages_per_req]
     sampling: SamplingBatch        # numpy leaves, R rows
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    # i32[R]: each request's slot in the ReqToTokenPool (padding: -1).
+    req_pool_indices: np.ndarray | None = None
+    # i32[R]: the token after each request's chunk, -1 where it is the one this step samples
+    # (a speculative draft's prefill reads the tokens one ahead).
+    next_token_ids: np.ndarray | None = None
 
     @classmethod
     def padding(cls, bucket: Bucket, page_size: int, max_pages_per_req: int) -> "ModelWorkerBatch":
@@ -120,10 +126,13 @@ class ScheduleBatch:
 
     def __init__(self, reqs: list[Req], forward_mode: ForwardMode, extend_lens: list[int],
                  req_to_token_pool: ReqToTokenPool, allocator: PageAllocator, page_size: int,
-                 prev_rows: dict[int, int] | None = None):
+                 prev_rows: dict[int, int] | None = None, kv_lens: list[int] | None = None):
+        """`kv_lens[i]` (default `extend_lens[i]`): how many of request i's tokens get KV slots;
+        the rest write the dummy page (a verify step's drafts past the context length)."""
         self.reqs = reqs
         self.forward_mode = forward_mode
         self.extend_lens = extend_lens
+        self.kv_lens = extend_lens if kv_lens is None else kv_lens
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
@@ -139,11 +148,11 @@ class ScheduleBatch:
         return max(0, -(-(req.num_computed_tokens + n) // self.page_size) - held)
 
     def pages_needed(self) -> int:
-        return sum(self._new_pages(req, n) for req, n in zip(self.reqs, self.extend_lens))
+        return sum(self._new_pages(req, n) for req, n in zip(self.reqs, self.kv_lens))
 
     def alloc_kv(self) -> bool:
         """Gives each request a slot and the pages for its new tokens; all or nothing."""
-        needs = [self._new_pages(req, n) for req, n in zip(self.reqs, self.extend_lens)]
+        needs = [self._new_pages(req, n) for req, n in zip(self.reqs, self.kv_lens)]
         pages = self.allocator.alloc(sum(needs))
         if pages is None:
             return False
@@ -167,19 +176,26 @@ class ScheduleBatch:
         extend_seq_lens = np.zeros(R, np.int32)
         extend_prefix_lens = np.zeros(R, np.int32)
         page_table = np.full((R, self.req_to_token_pool.max_pages_per_req), DUMMY_PAGE, np.int32)
+        req_pool_indices = np.full(R, -1, np.int32)
+        next_token_ids = np.zeros(R, np.int32)
+        # A verify step's tokens past the first are the drafts, filled on the device.
+        verify = self.forward_mode == ForwardMode.TARGET_VERIFY
 
         start = 0
-        for i, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
+        for i, (req, n, kv_n) in enumerate(zip(self.reqs, self.extend_lens, self.kv_lens)):
             prefix = req.num_computed_tokens
             slot = req.req_pool_idx
             known = req.tokens(prefix, prefix + n)
             input_ids[start:start + len(known)] = known
-            if len(known) < n:  # the last token is still on the device
+            if len(known) < n and not verify:  # the last token is still on the device
                 input_token_src[start + n - 1] = self.prev_rows[req.rid]
-            token_idx = np.arange(prefix, prefix + n)
+            following = req.tokens(prefix + n, prefix + n + 1)
+            next_token_ids[i] = following[0] if following else -1
+            req_pool_indices[i] = slot
+            token_idx = np.arange(prefix, prefix + kv_n)
             pages = self.req_to_token_pool.page_table[slot]
-            out_cache_loc[start:start + n] = (pages[token_idx // self.page_size] * self.page_size
-                                              + token_idx % self.page_size)
+            out_cache_loc[start:start + kv_n] = (pages[token_idx // self.page_size]
+                                                 * self.page_size + token_idx % self.page_size)
             seq_lens[i] = prefix + n
             extend_seq_lens[i] = n
             extend_prefix_lens[i] = prefix
@@ -194,4 +210,5 @@ class ScheduleBatch:
             num_tokens=num_tokens, input_ids=input_ids, input_token_src=input_token_src,
             out_cache_loc=out_cache_loc, seq_lens=seq_lens,
             extend_seq_lens=extend_seq_lens, extend_prefix_lens=extend_prefix_lens,
-            page_table=page_table, sampling=sampling)
+            page_table=page_table, sampling=sampling, req_pool_indices=req_pool_indices,
+            next_token_ids=next_token_ids)

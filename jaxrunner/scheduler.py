@@ -56,7 +56,12 @@ class Scheduler:
         self.tree_cache = RadixCache(args.page_size, self.allocator,
                                      disable=args.disable_radix_cache)
         self.chunk_size = args.chunk_size
+        # Speculative decoding: running requests take verify rounds of this many tokens each
+        # (jaxrunner/speculative/spec_worker.py), and never overlap: a round's allocation and
+        # drafts depend on how many tokens the previous one accepted.
+        self.spec_window = getattr(worker, "speculative_window", None)
         self.overlap = not args.disable_overlap_schedule if overlap is None else overlap
+        self.overlap = self.overlap and self.spec_window is None
         self.waiting: list[Req] = []
         self.running: list[Req] = []       # prefilled, decoding
         self.chunked_req: Req | None = None  # admitted, its prompt partly computed
@@ -112,6 +117,9 @@ class Scheduler:
         """Launches one model step; returns the requests that got new tokens (finished ones
         included: `req.finished`). With overlap, a step's tokens are returned by the next call."""
         batch = self.get_next_batch()
+        if batch is not None and batch.forward_mode.is_target_verify():
+            updated, self._flushed = self._flushed, []
+            return updated + self._run_speculative(batch)
         launched = self._launch(batch) if batch is not None else None
         updated, self._flushed = self._flushed, []
         if self.overlap:
@@ -141,6 +149,10 @@ class Scheduler:
             return None
         self.new_token_ratio = max(self.min_new_token_ratio,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if self.spec_window is not None:
+            return self._schedule(decoding, ForwardMode.TARGET_VERIFY,
+                                  [self.spec_window] * len(decoding),
+                                  [self._spec_kv_len(r) for r in decoding])
         return self._schedule(decoding, ForwardMode.DECODE, [1] * len(decoding))
 
     def _decodable(self) -> list[Req]:
@@ -239,9 +251,19 @@ class Scheduler:
         return decoding
 
     def _decode_pages(self, reqs: list[Req]) -> int:
-        """Pages a decode step over `reqs` adds: one per request whose next token starts one."""
+        """Pages a decode step over `reqs` adds: one per request whose next token starts one
+        (a verify round: the pages of its window)."""
         held = self.req_to_token_pool.num_pages
+        if self.spec_window is not None:
+            return sum(max(0, _pages(r.num_computed_tokens + self._spec_kv_len(r), self.page_size)
+                           - int(held[r.req_pool_idx])) for r in reqs)
         return sum(1 for r in reqs if r.num_computed_tokens // self.page_size >= held[r.req_pool_idx])
+
+    def _spec_kv_len(self, req: Req) -> int:
+        """Tokens of a verify round's window that get KV slots: all W, but never past the
+        pages a request may hold (its context)."""
+        room = self.req_to_token_pool.max_pages_per_req * self.page_size - req.num_computed_tokens
+        return min(self.spec_window, room)
 
     def _free_after_eviction(self, need: int) -> int:
         free = self.allocator.num_free
@@ -302,10 +324,11 @@ class Scheduler:
 
     # ---- launching and reading back ----
 
-    def _schedule(self, reqs: list[Req], mode: ForwardMode, lens: list[int]) -> ScheduleBatch:
+    def _schedule(self, reqs: list[Req], mode: ForwardMode, lens: list[int],
+                  kv_lens: list[int] | None = None) -> ScheduleBatch:
         prev_rows = self.in_flight.rows if self.in_flight is not None else {}
         batch = ScheduleBatch(reqs, mode, lens, self.req_to_token_pool,
-                              self.allocator, self.page_size, prev_rows)
+                              self.allocator, self.page_size, prev_rows, kv_lens)
         need = batch.pages_needed()
         self._free_after_eviction(need)
         if not batch.alloc_kv():
@@ -358,6 +381,43 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self._release_kv(req)
+            updated.append(req)
+        return updated
+
+    def _run_speculative(self, batch: ScheduleBatch) -> list[Req]:
+        """One verify round for the running requests: launch it, then append each request's
+        accepted tokens (stopping where it finishes) and give back the pages past its KV."""
+        self.forward_ct += 1
+        bucket = self.worker.pick_bucket(batch.forward_mode, batch.num_tokens, len(batch.reqs))
+        worker_batch = batch.get_model_worker_batch(bucket)
+        # At most the drafts that have KV slots and that the output budget can still use (the
+        # target's own token comes on top).
+        limits = [min(kv - 1, r.max_new_tokens - r.num_outputs - 1)
+                  for r, kv in zip(batch.reqs, batch.kv_lens)]
+        result = self.worker.forward_batch_speculative(worker_batch, limits,
+                                                       self.worker.propose(batch.reqs))
+        updated = []
+        for i, req in enumerate(batch.reqs):
+            req.spec_verify_ct += 1
+            accepted = int(result.accept_len[i])
+            appended = 0
+            for token, logprob in zip(result.tokens[i, :accepted + 1],
+                                      result.logprobs[i, :accepted + 1]):
+                req.output_ids.append(int(token))
+                if req.return_logprob:
+                    req.output_logprobs.append(float(logprob))
+                appended += 1
+                self._check_finished(req)
+                if req.finished:
+                    break
+            # KV now holds the window's first token and the accepted drafts appended.
+            req.num_computed_tokens += 1 + min(appended, accepted)
+            if req.finished:
+                self.running.remove(req)
+                self._release_kv(req)
+            else:
+                keep = _pages(req.num_computed_tokens, self.page_size)
+                self.allocator.free(self.req_to_token_pool.truncate(req.req_pool_idx, keep))
             updated.append(req)
         return updated
 

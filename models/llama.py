@@ -48,12 +48,14 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, d_in: int | None = None):
+        """`d_in`: the q/k/v projections' input width (EAGLE-3's layer reads [embed; hidden])."""
         H, K, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        d_in = d_in or D
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, Dh
-        self.q_proj = Linear(D, H * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(D, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(D, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(d_in, H * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d_in, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d_in, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(H * Dh, D, bias=cfg.o_proj_bias, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
@@ -127,9 +129,11 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
-    def __call__(self, fb: ForwardBatch, kv_cache: jax.Array, backend: AttentionBackend):
+    def __call__(self, fb: ForwardBatch, kv_cache: jax.Array, backend: AttentionBackend,
+                 aux_layers: tuple[int, ...] = ()):
         """kv_cache [L, pages, page_size, 2K, Dh] -> (hidden states [T, D] after the final norm,
-        the updated KV cache).
+        the updated KV cache, the residual stream entering each of `aux_layers` [A, T, D] or
+        None without them: EAGLE-3's draft reads three of them).
 
         The scan's loop state is (activations, the cache viewed as [L * pages, ...]: a free
         reshape); its loop data are each layer's parameters and index. Layer l writes its new
@@ -144,18 +148,26 @@ class LlamaForCausalLM(nnx.Module):
         x = self.model.embed_tokens(fb.input_ids)
         graphdef, layers_state = nnx.split(self.model.layers)
         num_layers = kv_cache.shape[0]
+        wanted = jnp.asarray(aux_layers, jnp.int32)
 
         def body(carry, layer_inputs):
-            x, flat_cache = carry
+            x, flat_cache, aux = carry
             state, index = layer_inputs
+            if aux_layers:
+                # Written only at the layers asked for (the rows naming this layer).
+                hit = wanted == index
+                aux = jax.lax.cond(jnp.any(hit),
+                                   lambda a: jnp.where(hit[:, None, None], x[None], a),
+                                   lambda a: a, aux)
             layer = nnx.merge(graphdef, state)
             x, flat_cache = layer(x, cos, sin, flat_cache, index, fb, backend, meta)
-            return (x, flat_cache), None
+            return (x, flat_cache, aux), None
 
         flat = kv_cache.reshape(-1, *kv_cache.shape[2:])
-        (x, flat), _ = jax.lax.scan(
-            body, (x, flat), (layers_state, jnp.arange(num_layers, dtype=jnp.int32)))
-        return self.model.norm(x), flat.reshape(kv_cache.shape)
+        aux = jnp.zeros((len(aux_layers),) + x.shape, x.dtype) if aux_layers else None
+        (x, flat, aux), _ = jax.lax.scan(
+            body, (x, flat, aux), (layers_state, jnp.arange(num_layers, dtype=jnp.int32)))
+        return self.model.norm(x), flat.reshape(kv_cache.shape), aux
 
     def compute_logits(self, hidden):
         """hidden [N, D] -> float32 logits [N, V]."""

@@ -27,6 +27,7 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     "bias": ("bias", lambda w: w),
     "embedding": ("weight", lambda w: w),
     "weight": ("weight", lambda w: w),   # norms
+    "d2t": ("d2t", lambda w: w),         # EAGLE-3's draft -> target vocabulary offsets
 }
 # Checkpoint tensors that are not parameters of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -100,11 +101,13 @@ def read_full(source: ParamSource, dtype, index: tuple = ()) -> np.ndarray:
 
 
 def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
-               place: Callable = default_place) -> nnx.Module:
+               place: Callable = default_place, ignore: tuple[str, ...] = ()) -> nnx.Module:
     """Builds `model_cls(cfg)` without initialising it, then fills it from the checkpoint.
 
     `place(source, dtype)` turns each `ParamSource` into the parameter's device array, e.g.
-    `models.sharding.ShardedPlacer` for tensor parallelism.
+    `models.sharding.ShardedPlacer` for tensor parallelism; each parameter keeps the dtype the
+    model gave it (`dtype` for weights). Checkpoint tensors named in `ignore` are allowed and
+    not read.
 
     Raises ValueError naming any missing, unexpected or mis-shaped tensor.
     """
@@ -129,12 +132,14 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
             raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s) the model "
                              f"needs, e.g. {missing[:5]}")
         extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
-                       and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+                       and n not in ignore
+                       and not (n == "lm_head.weight" and getattr(cfg, "tie_word_embeddings",
+                                                                  False)))
         if extra:
             raise ValueError(f"unexpected tensor(s) {extra[:5]} in checkpoint {model_dir} for "
-                             f"{cfg.architecture}")
+                             f"{getattr(cfg, 'architecture', type(cfg).__name__)}")
         for path, source in sources:
-            value = place(source, dtype)
+            value = place(source, params[path].dtype)
             if tuple(value.shape) != tuple(params[path].shape):
                 raise ValueError(f"parameter {'.'.join(map(str, path))} was placed as "
                                  f"{tuple(value.shape)}, expected {tuple(params[path].shape)}")

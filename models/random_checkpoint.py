@@ -96,6 +96,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # The benchmark model at Llama-3-8B's depth: start-up must not grow with the layer count.
 PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
+# The benchmark model's shapes with no residual writes (o_proj and down_proj zero, the compute
+# unchanged): the next greedy token is a function of the current one, so greedy output runs
+# into a cycle of that function, and a prompt that holds the cycle is continued by repeating it
+# (the workload n-gram speculation is for; scripts/bench_speculative.py). Random weights have no
+# induction heads, so no other random model repeats its prompt.
+PRESETS["small-repeat"] = dict(PRESETS["small"], residual_write_scale=0.0)
+# A draft model for the benchmark model (its vocabulary, a quarter of its width and depth).
+PRESETS["small-draft"] = dict(PRESETS["small"], hidden_size=256, intermediate_size=704,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -171,21 +180,25 @@ def make_checkpoint(
 def cached_checkpoint(preset: str, root: str | Path, **kwargs: Any) -> Path:
     """`root/preset`, made by `make_checkpoint(..., **kwargs)` unless a complete one is there.
 
-    Complete means the marker file, written last, exists; a half-written directory is rebuilt. The
+    Complete means the marker file, written last, exists and names the preset's current spec (a
+    checkpoint of an older version of the preset is rebuilt); a half-written directory is rebuilt. The
     build happens in a temporary sibling directory renamed into place, so concurrent callers (e.g.
     pytest-xdist workers) never see a partial checkpoint. For a session-scoped pytest fixture:
     `cached_checkpoint("tiny-llama", tmp_path_factory.getbasetemp() / "checkpoints")`.
     """
     final = Path(root) / preset
-    if (final / _MARKER).is_file():
+    marker = json.dumps({"preset": preset, "spec": PRESETS.get(preset), **kwargs},
+                        sort_keys=True, default=str)
+    if (final / _MARKER).is_file() and (final / _MARKER).read_text() == marker:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{preset}.tmp-{uuid.uuid4().hex}"
     try:
         make_checkpoint(tmp, preset, **kwargs)
-        (tmp / _MARKER).write_text(json.dumps({"preset": preset, **kwargs}))
-        if final.exists() and not (final / _MARKER).is_file():
-            shutil.rmtree(final, ignore_errors=True)  # a half-written one from an older crash
+        (tmp / _MARKER).write_text(marker)
+        if final.exists() and (not (final / _MARKER).is_file()
+                               or (final / _MARKER).read_text() != marker):
+            shutil.rmtree(final, ignore_errors=True)  # half-written, or of an older preset
         try:
             os.rename(tmp, final)
         except OSError:
@@ -381,15 +394,17 @@ def tensor_shapes(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+def _init_tensor(name: str, shape: tuple[int, ...], seed: int,
+                 residual_write_scale: float = RESIDUAL_WRITE_SCALE) -> np.ndarray:
     """One tensor, seeded by (seed, name): values do not depend on dtype, sharding or order.
     Always float32, so a bfloat16 checkpoint rounds the float32 checkpoint's values (numpy
     scalars of the scales below would otherwise make some tensors float64, rounded to bfloat16
     differently)."""
-    return _init_values(name, shape, seed).astype(np.float32)
+    return _init_values(name, shape, seed, residual_write_scale).astype(np.float32)
 
 
-def _init_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+def _init_values(name: str, shape: tuple[int, ...], seed: int,
+                 residual_write_scale: float) -> np.ndarray:
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     x = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("norm.weight"):
@@ -401,7 +416,7 @@ def _init_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     fan_in = shape[1]
     if name == "lm_head.weight":
         return (LOGIT_STD / np.sqrt(fan_in)) * x
-    scale = RESIDUAL_WRITE_SCALE if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+    scale = residual_write_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
     return (scale / np.sqrt(fan_in)) * x
 
 
@@ -413,13 +428,13 @@ def _write_weights(
     groups = _split_by_size(names, shapes, shards)
     metadata = {"format": "pt"}  # HF expects this key when loading with torch
     if shards == 1:
-        tensors = _materialise(groups[0], shapes, seed, dtype)
+        tensors = _materialise(groups[0], shapes, seed, dtype, spec)
         save_file(tensors, out / "model.safetensors", metadata=metadata)
         return
     weight_map, total = {}, 0
     for i, group in enumerate(groups):
         shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = _materialise(group, shapes, seed, dtype)
+        tensors = _materialise(group, shapes, seed, dtype, spec)
         save_file(tensors, out / shard, metadata=metadata)
         weight_map.update({n: shard for n in group})
         total += sum(t.nbytes for t in tensors.values())
@@ -428,9 +443,10 @@ def _write_weights(
 
 
 def _materialise(
-    names: list[str], shapes: dict, seed: int, dtype: np.dtype
+    names: list[str], shapes: dict, seed: int, dtype: np.dtype, spec: dict
 ) -> dict[str, np.ndarray]:
-    return {n: _init_tensor(n, shapes[n], seed).astype(dtype) for n in names}
+    scale = spec.get("residual_write_scale", RESIDUAL_WRITE_SCALE)
+    return {n: _init_tensor(n, shapes[n], seed, scale).astype(dtype) for n in names}
 
 
 def _split_by_size(names: list[str], shapes: dict, shards: int) -> list[list[str]]:
@@ -449,3 +465,59 @@ def _split_by_size(names: list[str], shapes: dict, shards: int) -> list[list[str
         groups[-1].append(name)
         done += size
     return groups
+
+
+# --- speculative-decoding draft heads ------------------------------------------------------------
+
+
+def make_eagle_checkpoint(out_dir: str | Path, algorithm: str, target_preset: str, seed: int = 0,
+                          draft_vocab_size: int | None = None,
+                          aux_layer_ids: list[int] | None = None) -> Path:
+    """A random EAGLE (`algorithm="EAGLE"`) or EAGLE-3 (`"EAGLE3"`) draft head for the
+    `target_preset` model, in the published checkpoint layouts (models/eagle.py): one decoder
+    layer of the target's shapes, `fc`, and for EAGLE-3 `norm`, an `lm_head` over a draft
+    vocabulary (default: half the target's) and the `d2t`/`t2d` maps to the target's ids."""
+    if algorithm not in ("EAGLE", "EAGLE3"):
+        raise ValueError(f"no draft head format for {algorithm!r}")
+    spec = dict(PRESETS[target_preset], num_hidden_layers=1)
+    d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
+    hd, nh, nkv = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _hf_config(dict(spec, architecture="LlamaForCausalLM"), "float32")
+    eagle3 = algorithm == "EAGLE3"
+    layer = "midlayer" if eagle3 else "layers.0"
+    d_in = 2 * d if eagle3 else d
+    shapes = {
+        f"{layer}.self_attn.q_proj.weight": (nh * hd, d_in),
+        f"{layer}.self_attn.k_proj.weight": (nkv * hd, d_in),
+        f"{layer}.self_attn.v_proj.weight": (nkv * hd, d_in),
+        f"{layer}.self_attn.o_proj.weight": (d, nh * hd),
+        f"{layer}.post_attention_layernorm.weight": (d,),
+        f"{layer}.mlp.gate_proj.weight": (f, d),
+        f"{layer}.mlp.up_proj.weight": (f, d),
+        f"{layer}.mlp.down_proj.weight": (d, f),
+    }
+    tensors = {}
+    if eagle3:
+        draft_vocab = draft_vocab_size or v // 2
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
+                      target_hidden_size=d)
+        if aux_layer_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+        shapes.update({"fc.weight": (d, 3 * d), f"{layer}.input_layernorm.weight": (d,),
+                       f"{layer}.hidden_norm.weight": (d,), "norm.weight": (d,),
+                       "lm_head.weight": (draft_vocab, d)})
+        rng = np.random.default_rng([seed, 3])
+        hot = np.sort(rng.choice(v, size=draft_vocab, replace=False))
+        tensors["d2t"] = (hot - np.arange(draft_vocab)).astype(np.int64)
+        t2d = np.zeros(v, bool)
+        t2d[hot] = True
+        tensors["t2d"] = t2d
+    else:
+        config["architectures"] = ["LlamaForCausalLMEagle"]
+        shapes.update({"fc.weight": (d, 2 * d), "fc.bias": (d,)})
+    tensors.update({name: _init_tensor(name, shape, seed) for name, shape in shapes.items()})
+    _write_json(out / "config.json", config)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxrunner.buckets import all_buckets, executable_mode, pick_bucket
+from jaxrunner.buckets import all_buckets, executable_mode, pick_bucket, verify_buckets
 from jaxrunner.config import EngineArgs
 from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
 from jaxrunner.schedule_batch import ModelWorkerBatch
@@ -113,3 +113,67 @@ class FakeWorker:
             tokens[i] = next_token(seq)
             start += new
         return FakeResult(tokens, np.zeros(self.rows, np.float32), r)
+
+
+@dataclass
+class FakeSpecRound:
+    accept_len: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+
+
+@dataclass
+class FakeSpecWorker(FakeWorker):
+    """The speculative worker's verbs over the fake model: `speculative_window`, `propose` and
+    `forward_batch_speculative`. Each draft is the reference token, or (with probability `miss`)
+    a wrong one, so rounds accept a random number of drafts; every slot of the window writes the
+    token it holds into the "KV cache", as the target's verify step does, so a page given back
+    too early or a slot past the accepted tokens read later changes the output."""
+
+    window: int = 4
+    miss: float = 0.3
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.buckets = self.buckets + verify_buckets(self.args.max_running_requests, self.window)
+        self.rng = np.random.default_rng(self.seed)
+        self.rounds = 0
+
+    @property
+    def speculative_window(self) -> int:
+        return self.window
+
+    def propose(self, reqs):
+        return None
+
+    def forward_batch_speculative(self, batch: ModelWorkerBatch, limits, proposal=None):
+        """A verify round: each request's window holds its last token and W - 1 drafts."""
+        self.batches.append(batch)
+        self.rounds += 1
+        ps, W, r = self.args.page_size, self.window, batch.num_reqs
+        assert batch.bucket.num_tokens == batch.bucket.num_reqs * W
+        accept_len = np.zeros(r, np.int32)
+        tokens = np.zeros((r, W), np.int32)
+        for i in range(r):
+            length = int(batch.seq_lens[i])       # the prefix and the window
+            prefix = int(batch.extend_prefix_lens[i])
+            assert length == prefix + W and int(batch.extend_seq_lens[i]) == W
+            positions = np.arange(prefix)
+            pages = batch.page_table[i][positions // ps]
+            context = self.kv[pages * ps + positions % ps]
+            assert (pages != DUMMY_PAGE).all() and (context >= 0).all(), "a lost prefix"
+            first = int(batch.input_ids[i * W])
+            truth = reference_tokens(list(context) + [first], W)
+            drafts = [t if self.rng.random() >= self.miss else (t + 1) % VOCAB
+                      for t in truth[:W - 1]]
+            slots = batch.out_cache_loc[i * W:(i + 1) * W]
+            for token, slot in zip([first] + drafts, slots):
+                if slot // ps != DUMMY_PAGE:
+                    self.kv[slot] = token
+            n = 0
+            while n < min(W - 1, limits[i]) and drafts[n] == truth[n]:
+                n += 1
+            accept_len[i] = n
+            tokens[i, :n + 1] = truth[:n + 1]
+        return FakeSpecRound(accept_len, tokens, np.zeros((r, W), np.float32))

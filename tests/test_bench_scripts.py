@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench_common  # noqa: E402
 import bench_offline_throughput  # noqa: E402
 import bench_one_batch  # noqa: E402
+import bench_speculative  # noqa: E402
 import plot_one_batch  # noqa: E402
 
 TINY = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64,
@@ -142,3 +143,24 @@ def test_plot_one_batch_writes_a_png(one_batch_json, tmp_path):
     _, out = one_batch_json
     png = plot_one_batch.main([str(out), "--out", str(tmp_path / "plot.png")])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeating_prompt_is_the_cycle_the_output_ends_in():
+    out = [5, 6, 7] + [1, 2, 3, 4] * 5
+    assert bench_speculative.repeating_prompt(out, 10) == [3, 4] + [1, 2, 3, 4] * 2
+    assert bench_speculative.repeating_prompt(out, 2) == [1, 2, 3, 4]  # a whole cycle at least
+    assert bench_speculative.repeating_prompt(list(range(30)), 8) == list(range(22, 30))
+
+
+def test_bench_speculative_ngram_on_the_tiny_model(checkpoint, compilation_cache_dir, tmp_path):
+    result = bench_speculative.main([
+        "--model-path", str(checkpoint("tiny-llama")), "--algorithms", "none", "NGRAM",
+        "--batch-sizes", "2", "--workloads", "repeat", "--output-len", "12", "--prompt-len", "16",
+        "--compilation-cache-dir", compilation_cache_dir,
+        "--json-out", str(tmp_path / "spec.json")])
+    runs = {r["algorithm"]: r for r in result["runs"]}
+    assert runs["none"]["accept_length"] is None and runs["none"]["speedup"] == 1.0
+    ngram = runs["NGRAM"]
+    assert ngram["output_tokens"] == 24 and ngram["same_tokens_as_plain"]
+    assert 1.0 <= ngram["accept_length"] <= 4 + 1  # --num-steps 4: at most 5 per round
+    assert json.loads((tmp_path / "spec.json").read_text())["runs"][1]["algorithm"] == "NGRAM"

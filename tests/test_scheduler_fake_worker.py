@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from jaxrunner.forward_mode import ForwardMode
+from jaxrunner.memory_pool import DUMMY_PAGE
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.schedule_batch import Req
 from jaxrunner.scheduler import Scheduler
-from tests.fake_worker import FakeWorker, reference_tokens
+from tests.fake_worker import FakeSpecWorker, FakeWorker, reference_tokens
 
 _rids = itertools.count()
 
@@ -180,6 +181,75 @@ def test_mixed_batches_decode_inside_prefill_steps():
     mixed = [b for b in worker.batches if b.forward_mode == ForwardMode.MIXED]
     assert mixed and all(b.num_tokens <= 64 for b in mixed)
     assert_reference(reqs)
+    assert_all_free(scheduler)
+
+
+
+# ---- speculative rounds (TARGET_VERIFY windows of 4 tokens, a random number accepted) ----
+
+
+def held_pages_match_the_kv(scheduler):
+    pool = scheduler.req_to_token_pool
+    for req in scheduler.running:
+        want = -(-req.num_computed_tokens // scheduler.page_size)
+        assert int(pool.num_pages[req.req_pool_idx]) == want, "rejected drafts kept their pages"
+
+
+def test_speculative_rounds_under_kv_pressure_retract_and_lose_no_token():
+    worker = FakeSpecWorker.create(num_pages=41, schedule_conservativeness=0.0,
+                                   max_running_requests=12, chunked_prefill_size=16)
+    scheduler = Scheduler(worker)
+    reqs = [make_req(p, 24) for p in random_prompts(12, 10, 30, seed=1)]
+    for req in reqs:
+        scheduler.add_request(req)
+    while scheduler.has_work:
+        scheduler.step()
+        held_pages_match_the_kv(scheduler)
+    assert scheduler.num_retractions > 0 and not scheduler.overlap
+    verify = [b for b in worker.batches if b.forward_mode == ForwardMode.TARGET_VERIFY]
+    assert verify and not any(b.forward_mode == ForwardMode.DECODE for b in worker.batches)
+    # Drafts were accepted: fewer rounds than tokens, and some rounds accepted none.
+    tokens = sum(len(r.output_ids) for r in reqs)
+    assert sum(r.spec_verify_ct for r in reqs) < tokens - len(reqs)
+    assert_reference(reqs)
+    assert_all_free(scheduler)
+
+
+def test_abort_between_speculative_rounds_frees_everything_and_spares_the_others():
+    worker = FakeSpecWorker.create(max_prefill_tokens=32, chunked_prefill_size=16)
+    scheduler = Scheduler(worker)
+    prompts = random_prompts(3, 8, 12, seed=2)
+    running, survivor = make_req(prompts[0], 40), make_req(prompts[1], 30)
+    chunked = make_req(random_prompts(1, 80, 80, seed=3)[0], 4)
+    for req in (running, survivor):
+        scheduler.add_request(req)
+    while not (running.spec_verify_ct and survivor.spec_verify_ct):
+        scheduler.step()
+    scheduler.abort_request(running)                        # between two rounds
+    scheduler.add_request(chunked)
+    scheduler.step()
+    assert scheduler.chunked_req is chunked
+    scheduler.abort_request(chunked)                        # mid-chunked prefill
+    while scheduler.has_work:
+        scheduler.step()
+    for req in (running, chunked):
+        assert req.finished_reason["type"] == "abort"
+    assert_reference([survivor])
+    assert survivor.spec_verify_ct < len(survivor.output_ids) - 1
+    assert_all_free(scheduler)
+
+
+def test_a_speculative_window_never_runs_past_the_context():
+    # 40 pages of 4 tokens per request: a 150-token prompt has 10 slots left, fewer than the
+    # rounds would take at 4 tokens each, so the last rounds' windows are cut to their slots.
+    worker = FakeSpecWorker(FakeWorker.create().args, 512, context_len=160, miss=0.0)
+    scheduler = Scheduler(worker)
+    req = make_req(random_prompts(1, 150, 150, seed=10)[0], 10)
+    run_all(scheduler, [req])
+    assert_reference([req])
+    cut = [b for b in worker.batches if b.forward_mode == ForwardMode.TARGET_VERIFY
+           and (b.out_cache_loc[:4] // 4 == DUMMY_PAGE).any()]
+    assert cut, "no window reached the end of the context"
     assert_all_free(scheduler)
 
 

@@ -219,7 +219,8 @@ class EngineLoop:
                 if self.metrics:
                     self.metrics.observe_finished(req.finished_reason["type"],
                                                   len(req.origin_input_ids),
-                                                  now - track.group.arrival)
+                                                  now - track.group.arrival,
+                                                  len(req.output_ids), req.spec_verify_ct)
             out.append((track.group.queue.put_nowait, delta))
 
     def _abort_all(self, out: list) -> None:

@@ -43,14 +43,29 @@ class ServerMetrics:
         for name, doc in gauges.items():
             Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(
                 lambda name=name: stats().get(name, 0))
+        # Speculative decoding: verify rounds and the tokens they gave, of finished requests.
+        self.spec_verify_steps = Counter(f"{PREFIX}_spec_verify_steps", "Speculative verify "
+                                         "rounds of finished requests", registry=r)
+        self.spec_tokens = Counter(f"{PREFIX}_spec_completion_tokens", "Completion tokens of "
+                                   "finished requests served speculatively", registry=r)
+        self._spec_totals = [0, 0]  # tokens, rounds
+        Gauge(f"{PREFIX}_spec_accept_length", "Mean tokens per verify round (completion tokens"
+              " / verify rounds) of finished requests", registry=r).set_function(
+            lambda: self._spec_totals[0] / max(self._spec_totals[1], 1))
 
     def observe_http(self, path: str, status: int) -> None:
         self.http_requests.labels(path if path in ROUTES else "other", str(status)).inc()
 
-    def observe_finished(self, reason: str, prompt_tokens: int, e2e_s: float) -> None:
+    def observe_finished(self, reason: str, prompt_tokens: int, e2e_s: float,
+                         completion_tokens: int = 0, spec_verify_ct: int = 0) -> None:
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.e2e.observe(e2e_s)
+        if spec_verify_ct:
+            self.spec_verify_steps.inc(spec_verify_ct)
+            self.spec_tokens.inc(completion_tokens)
+            self._spec_totals[0] += completion_tokens
+            self._spec_totals[1] += spec_verify_ct
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,250 @@
+"""The speculative worker (SGLang's EAGLEWorker / NGRAMWorker): the target's ModelWorker and a
+draft behind the worker's verbs.
+
+A round for the running requests (`forward_batch_speculative`), all on the device until its
+accepted tokens come back, for a request whose m known tokens end in t_{m-1} (target KV holds
+positions 0 .. m-2, the draft's the same):
+
+1. draft: D = speculative_num_steps drafts per request, written to the draft's token buffer.
+   EAGLE heads have the first from the last round (or their prefill) and run D - 1 draft steps;
+   a standalone draft runs D steps from t_{m-1}; NGRAM looks them up on the host.
+2. TARGET_VERIFY: the target over [t_{m-1}, d_1 .. d_D] at positions m-1 .. m-1+D, accepting
+   the longest valid prefix of the drafts plus one token of its own
+   (`speculative.acceptance`).
+3. the draft catches up: an EAGLE head's DRAFT_EXTEND over the accepted tokens with the
+   target's hidden states there (its output is the next round's first draft); a standalone
+   draft's one more step over d_D (the only accepted token whose KV it has not written).
+
+Both KV caches then hold positions 0 .. m'-2 for the m' = m + accepted + 1 known tokens, the
+invariant the next round starts from. Pages past that go back to the allocator (the scheduler
+trims them). Overlap scheduling is off under speculation: the next round's KV allocation and
+drafts depend on how many tokens this one accepted, which only the host's read of it tells.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxrunner.buckets import Bucket
+from jaxrunner.compile_guard import CompileMonitor
+from jaxrunner.config import EngineArgs
+from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
+from jaxrunner.model_runner import SpeculativePlan, _resolve_dtype
+from jaxrunner.model_worker import GenerationBatchResult, ModelWorker
+from jaxrunner.schedule_batch import ModelWorkerBatch
+from jaxrunner.speculative.draft_runner import HEADS, DraftRunner, draft_kv_bytes_per_token
+from jaxrunner.speculative.ngram import NgramProposer
+from jaxrunner.speculative.spec_info import (DraftDecodeInput, DraftExtendInput,
+                                             DraftPrefillInput, VerifyInput)
+from models.config import ModelConfig
+from models.eagle import DraftHeadConfig
+
+
+@dataclass
+class SpecRoundResult:
+    """What a round gives each real request, on the host."""
+
+    accept_len: np.ndarray   # i32[n]: accepted drafts
+    tokens: np.ndarray       # i32[n, W]: the accepted drafts, then the target's token
+    logprobs: np.ndarray     # f32[n, W]
+
+
+def _draft_config(args: EngineArgs, target: ModelConfig):
+    algorithm, path = args.speculative_algorithm, args.speculative_draft_model_path
+    if algorithm in HEADS:
+        config = DraftHeadConfig.from_pretrained(path, algorithm, target)
+        return config, config.layer, 1
+    if algorithm == "STANDALONE":
+        config = ModelConfig.from_pretrained(path)
+        if config.vocab_size != target.vocab_size:
+            raise ValueError(f"draft model {path}: vocab_size {config.vocab_size} differs from "
+                             f"the target's {target.vocab_size}")
+        return config, config, config.num_hidden_layers
+    return None, None, 0
+
+
+class SpeculativeWorker:
+    """`ModelWorker`'s verbs, plus `forward_batch_speculative` and `speculative_window`."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig,
+                 compile_monitor: CompileMonitor | None = None):
+        self.algorithm = args.speculative_algorithm
+        self.speculative_window = window = args.speculative_window
+        self.num_drafts = window - 1
+        draft_config, layer, num_layers = _draft_config(args, model_config)
+        dtype = _resolve_dtype(args.dtype, model_config)
+        kv_dtype = dtype if args.kv_cache_dtype == "auto" else np.dtype(args.kv_cache_dtype)
+        heads = self.algorithm in HEADS
+        plan = SpeculativePlan(
+            window=window,
+            aux_layers=draft_config.aux_layer_ids if heads else (),
+            capture=heads, draft_buffer=draft_config is not None,
+            draft_kv_bytes_per_token=(draft_kv_bytes_per_token(layer, num_layers, args.tp_size,
+                                                               kv_dtype) if layer else 0))
+        self.target = ModelWorker(args, model_config, compile_monitor, speculative=plan)
+        runner = self.target.model_runner
+        self.draft = (DraftRunner(runner, self.algorithm, draft_config,
+                                  args.speculative_draft_model_path, window)
+                      if draft_config is not None else None)
+        self.ngram = (NgramProposer(args.speculative_ngram_max_match,
+                                    args.speculative_ngram_min_match, self.num_drafts,
+                                    4 * runner.args.max_running_requests)
+                      if self.algorithm == "NGRAM" else None)
+        runner.warm_compile_count = runner.compile_monitor.count
+
+    # ---- what the scheduler needs to know (the target's) ----
+
+    @property
+    def model_runner(self):
+        return self.target.model_runner
+
+    @property
+    def args(self) -> EngineArgs:
+        return self.target.args
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.target.max_total_tokens
+
+    @property
+    def context_len(self) -> int:
+        return self.target.context_len
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+    def get_memory_pool(self, dp_rank: int = 0):
+        return self.target.get_memory_pool(dp_rank)
+
+    def pick_bucket(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
+        return self.target.pick_bucket(mode, num_tokens, num_reqs)
+
+    # ---- prefill: the target, then the draft over the same tokens ----
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch,
+                                 prev: GenerationBatchResult | None = None
+                                 ) -> GenerationBatchResult:
+        if self.algorithm in HEADS:
+            batch = dataclasses.replace(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        result = self.target.forward_batch_generation(batch, prev)
+        if self.draft is None:
+            return result
+        draft = self.draft
+        if self.algorithm in HEADS:
+            fb, _ = ForwardBatch.init_new(self._shifted_one_ahead(batch), result.next_token_ids)
+            fb = fb.replace(spec_info=DraftPrefillInput(
+                slots=jax.device_put(self._slot_rows(batch)),
+                hidden_states=result.logits_output.hidden_states))
+        else:
+            fb, _ = ForwardBatch.init_new(batch, draft.no_prev_tokens)
+        draft.forward(fb)
+        return result
+
+    @staticmethod
+    def _shifted_one_ahead(batch: ModelWorkerBatch) -> ModelWorkerBatch:
+        """The batch with each token replaced by the one after it (an EAGLE head's position p
+        reads token p + 1): the next in its chunk, the token after the chunk, or, where that is
+        the one this step samples, row i of the step's samples."""
+        ids = np.zeros_like(batch.input_ids)
+        ids[:-1] = batch.input_ids[1:]
+        src = np.full_like(batch.input_token_src, -1)
+        lens = batch.extend_seq_lens[:batch.num_reqs]
+        last = np.cumsum(lens) - 1
+        following = batch.next_token_ids[:batch.num_reqs]
+        ids[last] = np.maximum(following, 0)
+        src[last] = np.where(following >= 0, -1, np.arange(batch.num_reqs))
+        return dataclasses.replace(batch, input_ids=ids, input_token_src=src.astype(np.int32),
+                                   capture_hidden_mode=CaptureHiddenMode.NULL)
+
+    def _slot_rows(self, batch: ModelWorkerBatch) -> np.ndarray:
+        """Each request's row of the draft buffers; padding rows write the trash row."""
+        slots = batch.req_pool_indices
+        return np.where(slots >= 0, slots, self.draft.trash_slot).astype(np.int32)
+
+    # ---- a round ----
+
+    def propose(self, reqs) -> tuple[np.ndarray, np.ndarray] | None:
+        """NGRAM's drafts [n, D] and their counts [n] for `reqs`, from the host; None when a
+        draft model drafts on the device."""
+        if self.ngram is None:
+            return None
+        drafts = np.zeros((len(reqs), self.num_drafts), np.int32)
+        counts = np.zeros(len(reqs), np.int32)
+        for i, req in enumerate(reqs):
+            found = self.ngram.propose(req.rid, req.fill_ids)
+            drafts[i, :len(found)] = found
+            counts[i] = len(found)
+        self.ngram.retain(r.rid for r in reqs)
+        return drafts, counts
+
+    def forward_batch_speculative(self, batch: ModelWorkerBatch, limits: list[int],
+                                  proposal: tuple[np.ndarray, np.ndarray] | None = None
+                                  ) -> SpecRoundResult:
+        """One round for `batch` (TARGET_VERIFY-shaped: W slots per request from its last
+        known token, pages allocated for them); returns its accepted tokens. `limits[i]`: the
+        most drafts request i may accept (its KV slots and output budget)."""
+        runner, draft = self.target.model_runner, self.draft
+        R, D = batch.bucket.num_reqs, self.num_drafts
+        n = batch.num_reqs
+        if draft is not None:
+            slots = self._slot_rows(batch)
+            if self.algorithm in HEADS:
+                steps = [(col, col - 1, False) for col in range(1, D)]
+            else:
+                steps = [(col, col, col == 0) for col in range(D)]
+            for col, offset, from_host in steps:
+                self._draft_step(batch, slots, col, offset, from_host)
+            drafts = draft.draft_state.tokens
+            num_drafts = np.zeros(R, np.int32)
+            num_drafts[:n] = D
+        else:
+            slots = np.zeros(R, np.int32)
+            drafts = np.zeros((R, D), np.int32)
+            num_drafts = np.zeros(R, np.int32)
+            host_drafts, counts = proposal
+            drafts[:n], num_drafts[:n] = host_drafts, counts
+        num_drafts[:n] = np.clip(np.minimum(num_drafts[:n], limits), 0, D)
+        fb, sampling = ForwardBatch.init_new(batch, runner.no_prev_tokens)
+        slots_dev, num_drafts_dev = jax.device_put((slots, num_drafts))
+        out = runner.forward(fb.replace(spec_info=VerifyInput(
+            drafts=drafts, slots=slots_dev, num_drafts=num_drafts_dev, sampling=sampling)))
+        if self.algorithm in HEADS:
+            extend = dataclasses.replace(
+                batch, forward_mode=ForwardMode.DRAFT_EXTEND,
+                bucket=Bucket(ForwardMode.DRAFT_EXTEND, batch.bucket.num_tokens, R))
+            fb, _ = ForwardBatch.init_new(extend, draft.no_prev_tokens)
+            draft.forward(fb.replace(spec_info=DraftExtendInput(
+                slots=slots_dev, tokens=out.tokens, accept_len=out.accept_len,
+                hidden_states=out.hidden_states)))
+        elif draft is not None:
+            self._draft_step(batch, slots, D, D, False)
+        accept_len, tokens, logprobs = jax.device_get((out.accept_len, out.tokens,
+                                                       out.logprobs))
+        return SpecRoundResult(accept_len[:n], tokens[:n], logprobs[:n])
+
+    def _draft_step(self, batch: ModelWorkerBatch, slots: np.ndarray, col: int, offset: int,
+                    from_host: bool) -> None:
+        """One draft step at position m-1+offset of every request, writing column `col`."""
+        draft = self.draft
+        R = batch.bucket.num_reqs
+        W = batch.bucket.num_tokens // R
+        real = batch.extend_seq_lens > 0
+        pos = batch.extend_prefix_lens + offset
+        step = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE, bucket=Bucket(ForwardMode.DECODE, R, R),
+            num_reqs=batch.num_reqs, num_tokens=batch.num_reqs,
+            input_ids=batch.input_ids[::W].copy(), input_token_src=np.full(R, -1, np.int32),
+            # The verify step's slot for this position (the dummy page past the KV slots).
+            out_cache_loc=batch.out_cache_loc.reshape(R, W)[:, offset].copy(),
+            seq_lens=np.where(real, pos + 1, 0).astype(np.int32),
+            extend_seq_lens=real.astype(np.int32),
+            extend_prefix_lens=np.where(real, pos, 0).astype(np.int32),
+            page_table=batch.page_table, sampling=batch.sampling)
+        fb, _ = ForwardBatch.init_new(step, draft.no_prev_tokens)
+        info = jax.device_put(DraftDecodeInput(slots=slots, step=np.int32(col),
+                                               from_host=np.full(R, from_host)))
+        draft.forward(fb.replace(spec_info=info))
