@@ -28,6 +28,8 @@ class FakeReq:
 class FakeEngine:
     """Emits token 7 per step per request; `fail_at` makes step number n raise."""
 
+    weight_version = "default"
+
     def __init__(self, fail_at=None):
         self.reqs, self.steps, self.fail_at = [], 0, fail_at
 
