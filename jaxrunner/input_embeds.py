@@ -58,13 +58,15 @@ def make_override(embeds, positions, prompt_len: int, hidden_size: int) -> Embed
         raise ValueError(f"{len(rows)} embeddings for {len(pos)} replace_positions")
     if len(pos) == 0:
         raise ValueError("replace_embeds is empty")
-    if pos.min() < 0 or pos.max() >= prompt_len:
+    outside = pos[(pos < 0) | (pos >= prompt_len)]
+    if len(outside):
         raise ValueError(f"replace_positions must be prompt positions in [0, {prompt_len}), "
-                         f"got {sorted(pos.tolist())[:3]}...{pos.max()}")
+                         f"got {int(outside[0])}")
     order = np.argsort(pos, kind="stable")
     pos = pos[order].astype(np.int32)
-    if (np.diff(pos) == 0).any():
-        raise ValueError(f"replace_positions repeats position {int(pos[np.diff(pos) == 0][0])}")
+    repeated = pos[1:][np.diff(pos) == 0]
+    if len(repeated):
+        raise ValueError(f"replace_positions repeats position {int(repeated[0])}")
     return EmbedOverride(pos, rows[order])
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrunner.compile_guard import CompileMonitor
 from models.config import ModelConfig
@@ -180,6 +182,10 @@ class ModelWeights:
             host = np.asarray(self.placer.repeat_heads(path, to_model_layout(path, tensor)),
                               self.dtype)
             return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
+        if tensor.sharding.device_set != sharding.device_set:
+            # On other devices (the trainer's): onto ours first, whole; the program then cuts
+            # each device's shard out of it.
+            tensor = jax.device_put(tensor, NamedSharding(sharding.mesh, P()))
         key = (path, sharding, tensor.dtype)
         if key not in self._layout_programs:
             self._layout_programs[key] = jax.jit(
