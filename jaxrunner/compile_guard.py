@@ -5,6 +5,7 @@ or anyone's, so it also catches the little eager programs that a stray `jnp` cal
 would compile.
 """
 
+import contextlib
 import threading
 
 import jax.monitoring
@@ -41,6 +42,16 @@ class CompileMonitor:
 
     def allow(self) -> None:
         self.forbidden = False
+
+    @contextlib.contextmanager
+    def allowed(self):
+        """Lets compiles through inside the block (the helper programs of a weight update,
+        compiled on first use), then restores the previous setting."""
+        was_forbidden, self.forbidden = self.forbidden, False
+        try:
+            yield
+        finally:
+            self.forbidden = was_forbidden
 
     def close(self) -> None:
         self.forbidden = False

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 DTYPES = ("auto", "float32", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,17 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     tokenizer_path: str | None = None
     skip_tokenizer_init: bool = False
+    # Where the weights come from (SGLang's name; models/load_format.py): "safetensors" (a
+    # Hugging Face checkpoint), "orbax" (an orbax checkpoint of the model state, written by
+    # scripts/convert_checkpoint.py), "dummy" (random weights from config.json alone, made on
+    # the devices: for benchmarks), "auto" (safetensors if the directory has them, else orbax).
+    load_format: str = "auto"
+    # Keep a host copy of the weights while `release_memory_occupation` has freed them, so
+    # `resume_memory_occupation` restores them (SGLang's name). Without it, resumed weights are
+    # zeros until `update_weights_from_disk`/`update_weights_from_tensor` refills them.
+    enable_weights_cpu_backup: bool = False
+    # Reported in every output's meta_info and by /get_server_info; updates may set a new one.
+    weight_version: str = "default"
     # Longest sequence (prompt + output) served; defaults to `max_position_embeddings`.
     context_length: int | None = None
 
@@ -107,6 +119,9 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got "
+                             f"{self.load_format!r}")
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")

@@ -35,21 +35,22 @@ class RankResult:
 
 
 def stack_worker_batches(workers: list[ModelWorkerBatch], prev_tokens: jax.Array,
-                         sharding) -> tuple[ForwardBatch, object]:
+                         input_embeds: jax.Array, sharding) -> tuple[ForwardBatch, object]:
     """The ranks' padded batches -> one ForwardBatch and SamplingBatch with a leading [dp] axis,
-    moved to the devices in one transfer (each rank's row to its own devices)."""
+    moved to the devices in one transfer (each rank's row to its own devices). `input_embeds`
+    is the ranks' override buffer [dp, C, D] (`ModelRunner.input_embeds_for`)."""
     def stack(name):
         return np.stack([getattr(w, name) for w in workers])
 
     names = ("input_ids", "input_token_src", "out_cache_loc", "seq_lens", "extend_seq_lens",
-             "extend_prefix_lens", "page_table")
+             "extend_prefix_lens", "page_table", "input_embeds_src")
     host = tuple(stack(n) for n in names) + (
         jax.tree.map(lambda *xs: np.stack(xs), *[w.sampling for w in workers]),)
     *arrays, sampling = jax.device_put(host, sharding)
     bucket = workers[0].bucket
     fb = ForwardBatch(forward_mode=bucket.mode, capture_hidden_mode=CaptureHiddenMode.NULL,
                       batch_size=bucket.num_reqs, prev_tokens=prev_tokens,
-                      **dict(zip(names, arrays)))
+                      input_embeds=input_embeds, **dict(zip(names, arrays)))
     return fb, sampling
 
 
@@ -87,7 +88,9 @@ class DataParallelWorker:
         if len(batches) != self.dp_size:
             raise ValueError(f"{len(batches)} batches for {self.dp_size} DP ranks")
         runner = self.worker.model_runner
-        fb, sampling = stack_worker_batches(batches, runner.no_prev_tokens, runner.parallel.batch)
+        fb, sampling = stack_worker_batches(batches, runner.no_prev_tokens,
+                                            runner.input_embeds_for(*batches),
+                                            runner.parallel.batch)
         result = self.worker.forward(fb, sampling, runner.max_batch_rows)
         tokens, logprobs = result.copy_to_host()
         return [RankResult(tokens[r, :w.num_reqs], logprobs[r, :w.num_reqs])

@@ -10,6 +10,8 @@ from tqdm.auto import tqdm
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.dp_scheduler import DataParallelScheduler
+from jaxrunner.engine_lifecycle import EngineLifecycle, EngineNotReadyError
+from jaxrunner.input_embeds import EmbedOverride, make_override, split_prompts
 from jaxrunner.model_worker import create_worker
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.schedule_batch import Req
@@ -18,7 +20,7 @@ from jaxrunner.tokenizer import load_tokenizer
 from models.config import ModelConfig
 
 
-class Engine:
+class Engine(EngineLifecycle):
     """Loads a Hugging Face checkpoint, compiles every bucket, and generates.
 
     ```python
@@ -28,7 +30,8 @@ class Engine:
     engine.shutdown()
     ```
     Arguments are the fields of `EngineArgs`; `engine.args` holds them with every limit left
-    out resolved for this machine (jaxrunner/defaults.py).
+    out resolved for this machine (jaxrunner/defaults.py). Memory release and weight updates
+    for RL rollouts: `EngineLifecycle` (jaxrunner/engine_lifecycle.py).
     """
 
     def __init__(self, **kwargs):
@@ -51,6 +54,7 @@ class Engine:
             self._rank_schedulers = [self.scheduler]
         self._rids = itertools.count()
         self._seeds = random.Random(self.args.random_seed)
+        self.weight_version = self.args.weight_version
         # Start-up objects (model, executables, tokenizer) live as long as the engine: freezing
         # them keeps the cyclic GC's full collections, which pause a step for ~0.3 s here, short.
         gc.collect()
@@ -78,23 +82,36 @@ class Engine:
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None,
                  return_logprob: bool | list[bool] = False, priority: int | list[int] = 0,
-                 show_progress: bool = False):
+                 show_progress: bool = False, input_embeds=None, replace_embeds=None,
+                 replace_positions=None):
         """Generates for one prompt (a dict back) or a list of prompts (a list of dicts back).
 
-        `prompt` is text (or a list of texts), `input_ids` token ids (or a list of lists); give
-        one. `sampling_params` is a dict of `SamplingParams` fields, or a list of dicts, one per
-        request. Every request is validated before any runs: a bad one raises ValueError naming
-        it, and nothing is enqueued. `show_progress` draws a progress bar of finished requests.
+        `prompt` is text (or a list of texts), `input_ids` token ids (or a list of lists),
+        `input_embeds` a prompt as embeddings [tokens, hidden_size] (or a list of them); give
+        one, or `input_ids` and `input_embeds` as two lists with one prompt per request (None in
+        the other). `replace_embeds` [k, hidden_size] replace the embeddings of the prompt
+        positions `replace_positions` (k ints), per request (lists, None for none), as
+        multimodal models place image features. `sampling_params` is a dict of
+        `SamplingParams` fields, or a list of dicts, one per request. Every request is
+        validated before any runs: a bad one raises ValueError naming it, and nothing is
+        enqueued; while the memory is released it raises EngineNotReadyError.
+        `show_progress` draws a progress bar of finished requests.
         """
-        single, prompts = self._normalize_prompts(prompt, input_ids)
+        self._check_serving()
+        single, prompts, embeds = self._normalize_prompts(prompt, input_ids, input_embeds)
         n = len(prompts)
         params = self._per_request(sampling_params, n, "sampling_params", default={})
         logprob_flags = self._per_request(return_logprob, n, "return_logprob", default=False)
         priorities = self._per_request(priority, n, "priority", default=0)
+        replaced = self._per_request(replace_embeds if not single else [replace_embeds], n,
+                                     "replace_embeds", default=None)
+        positions = self._per_request(replace_positions if not single else [replace_positions],
+                                      n, "replace_positions", default=None)
         reqs = []
         for i, (ids, p, lp, prio) in enumerate(zip(prompts, params, logprob_flags, priorities)):
             try:
-                reqs.append(self._make_req(ids, p, lp, prio))
+                override = self._override(len(ids), embeds[i], replaced[i], positions[i])
+                reqs.append(self._make_req(ids, p, lp, prio, override))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
         for req in reqs:
@@ -106,13 +123,23 @@ class Engine:
         outputs = [self.output(r) for r in reqs]
         return outputs[0] if single else outputs
 
-    def add_request(self, input_ids: list[int], sampling_params=None,
-                    return_logprob: bool = False, priority: int = 0) -> Req:
-        """Queues one request without running it (the low-level API under `generate`).
+    def add_request(self, input_ids: list[int] | None, sampling_params=None,
+                    return_logprob: bool = False, priority: int = 0, input_embeds=None,
+                    replace_embeds=None, replace_positions=None) -> Req:
+        """Queues one request without running it (the low-level API under `generate`; the
+        prompt is `input_ids` or `input_embeds`, as there).
 
-        Raises ValueError, naming the problem, for a request that cannot be served.
+        Raises ValueError, naming the problem, for a request that cannot be served, and
+        EngineNotReadyError while the memory is released.
         """
-        req = self._make_req(list(input_ids), sampling_params or {}, return_logprob, priority)
+        self._check_serving()
+        if input_embeds is not None:
+            _, (ids,), (embeds,) = split_prompts(None if input_ids is None else [input_ids],
+                                                 [input_embeds])
+        else:
+            ids, embeds = list(input_ids), None
+        override = self._override(len(ids), embeds, replace_embeds, replace_positions)
+        req = self._make_req(ids, sampling_params or {}, return_logprob, priority, override)
         self.scheduler.add_request(req)
         return req
 
@@ -129,9 +156,19 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
 
-    def _normalize_prompts(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
+    def _normalize_prompts(self, prompt, input_ids, input_embeds
+                           ) -> tuple[bool, list[list[int]], list]:
+        """(single, token ids per request, given embeddings per request or None)."""
+        if input_embeds is not None:
+            if prompt is not None:
+                raise ValueError("give prompt or input_embeds, not both")
+            return split_prompts(input_ids, input_embeds)
+        single, prompts = self._token_prompts(prompt, input_ids)
+        return single, prompts, [None] * len(prompts)
+
+    def _token_prompts(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt and input_ids")
+            raise ValueError("give exactly one of prompt, input_ids and input_embeds")
         if prompt is not None:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
@@ -159,7 +196,32 @@ class Engine:
             return value
         return [value] * n
 
-    def _make_req(self, ids: list[int], params, return_logprob: bool, priority: int) -> Req:
+    def _override(self, prompt_len: int, input_embeds, replace_embeds,
+                  replace_positions) -> EmbedOverride | None:
+        """The request's given embeddings, checked: a whole prompt or some positions."""
+        if (replace_embeds is None) != (replace_positions is None):
+            raise ValueError("give replace_embeds and replace_positions together")
+        if (input_embeds is not None or replace_embeds is not None) and (
+                self.args.speculative_algorithm is not None):
+            raise ValueError("input_embeds / replace_embeds are not implemented with "
+                             "speculative decoding (the draft would not see them)")
+        if input_embeds is not None:
+            if replace_embeds is not None:
+                raise ValueError("a prompt given as input_embeds has no replace_embeds")
+            return make_override(input_embeds, range(prompt_len), prompt_len,
+                                 self.model_config.hidden_size)
+        if replace_embeds is None:
+            return None
+        return make_override(replace_embeds, replace_positions, prompt_len,
+                             self.model_config.hidden_size)
+
+    def _check_serving(self) -> None:
+        blocker = self.runner.serving_blocker()
+        if blocker is not None:
+            raise EngineNotReadyError(f"cannot take requests: {blocker}")
+
+    def _make_req(self, ids: list[int], params, return_logprob: bool, priority: int,
+                  embed_override: EmbedOverride | None = None) -> Req:
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("empty prompt")
@@ -182,13 +244,14 @@ class Engine:
         return Req(rid=next(self._rids), origin_input_ids=ids, sampling_params=params, seed=seed,
                    max_new_tokens=min(params.max_new_tokens, self.max_req_len - len(ids)),
                    eos_token_ids=frozenset(self.model_config.eos_token_ids),
-                   return_logprob=bool(return_logprob), priority=int(priority))
+                   return_logprob=bool(return_logprob), priority=int(priority),
+                   embed_override=embed_override)
 
     def output(self, req: Req) -> dict:
         """The result dict of a finished request."""
         meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
                 "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
-                "finish_reason": req.finished_reason}
+                "finish_reason": req.finished_reason, "weight_version": self.weight_version}
         if self.args.speculative_algorithm is not None:
             # SGLang's: verify rounds, so accept length = completion_tokens / spec_verify_ct.
             meta["spec_verify_ct"] = req.spec_verify_ct
@@ -218,6 +281,13 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (False) while requests are in the engine."""
         return self.scheduler.flush_cache()
+
+    def unfinished_requests(self) -> list[Req]:
+        """Every request waiting, being prefilled or decoding, on every DP rank."""
+        reqs = []
+        for s in self._rank_schedulers:
+            reqs += s.waiting + s.running + ([s.chunked_req] if s.chunked_req else [])
+        return [r for r in dict.fromkeys(reqs) if not r.finished]
 
     def shutdown(self) -> None:
         self.compile_monitor.close()

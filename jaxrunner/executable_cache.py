@@ -65,18 +65,22 @@ def fingerprint(*parts) -> str:
 class ExecutableCache:
     """`get(name)` -> a loaded executable or None; `put(name, compiled)` stores one."""
 
-    def __init__(self, directory: str | Path, key: str):
+    def __init__(self, directory: str | Path, key: str, devices: list):
         self.directory = Path(directory) / "jaxrunner-executables" / key
+        self.devices = devices
         self.hits = self.misses = 0
 
     @classmethod
-    def create(cls, directory: str | None, *parts) -> "ExecutableCache | None":
+    def create(cls, directory: str | None, devices, *parts) -> "ExecutableCache | None":
         """None (no cache) without a directory, in multi-process runs (each process must load
         the same program; JAX's own cache serves those), and wherever JAX's own persistent cache
-        is on (whoever turned it on): what it loads must not be written here."""
+        is on (whoever turned it on): what it loads must not be written here. `devices`: the
+        executables' device assignment in order (the mesh's devices, flat), which may be fewer
+        than the machine's (TP 2 on 8 devices); a loaded executable runs on exactly those."""
         if not directory or jax.process_count() > 1 or jax.config.jax_compilation_cache_dir:
             return None
-        return cls(directory, fingerprint(*parts))
+        devices = list(devices)
+        return cls(directory, fingerprint([d.id for d in devices], *parts), devices)
 
     def _path(self, name: str) -> Path:
         return self.directory / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".pkl")
@@ -88,7 +92,8 @@ class ExecutableCache:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            executable = deserialize_and_load(payload, in_tree, out_tree)
+            executable = deserialize_and_load(payload, in_tree, out_tree,
+                                              execution_devices=self.devices)
         except Exception as e:  # a truncated file, a jaxlib that cannot read it: compile again
             logger.warning("executable cache entry %s unusable (%s); compiling it again", path, e)
             self.misses += 1

@@ -2,7 +2,13 @@
 
 Arrays are data fields; the mode, the capture mode and the padded request count are static (meta)
 fields, so they pick the compiled executable and never vary within one. Shapes: T padded tokens,
-R padded requests, P pages per request slot, N rows of the previous step's samples.
+R padded requests, P pages per request slot, N rows of the previous step's samples, C rows of the
+input-embedding override buffer (the largest prefill bucket's tokens), D the hidden size.
+
+Input embeddings given instead of a token's own (`input_embeds`, `replace_embeds`) travel as a
+[C, D] device buffer plus one i32[T] source row per token (-1: the token's own embedding). A
+step without any passes the runner's resident zeros buffer, so only prefill steps that carry
+overrides upload one; the per-token index is part of the one upload every step makes.
 
 `init_new` uploads a `ModelWorkerBatch` in one transfer. What follows from it (the input ids still
 on the device, positions, each token's request) is computed inside the compiled step by
@@ -42,6 +48,8 @@ class ForwardBatch:
     extend_seq_lens: jax.Array     # i32[R]: new tokens per request
     extend_prefix_lens: jax.Array  # i32[R]: tokens already in the cache per request
     page_table: jax.Array          # i32[R, P]: KV pages of each request
+    input_embeds_src: jax.Array    # i32[T]: row of input_embeds replacing the token's embedding, or -1
+    input_embeds: jax.Array        # [C, D] model dtype: this step's override rows (else resident zeros)
     # What a speculative mode needs besides (jaxrunner/speculative/spec_info.py); None else.
     spec_info: object = None
 
@@ -61,27 +69,39 @@ class ForwardBatch:
         return jnp.maximum(self.extend_start_loc + self.extend_seq_lens - 1, 0)
 
     @classmethod
-    def init_new(cls, batch: ModelWorkerBatch, prev_tokens: jax.Array,
+    def init_new(cls, batch: ModelWorkerBatch, prev_tokens: jax.Array, input_embeds: jax.Array,
                  sharding=None) -> tuple["ForwardBatch", SamplingBatch]:
         """Moves `batch` to the device in one transfer; returns the forward batch and the
         sampling arrays.
 
         `prev_tokens` (i32[N] on the device) are the previous step's sampled tokens, which
         `batch.input_token_src` may point into (overlapped scheduling); without a previous step,
-        the runner's zeros of the same shape.
+        the runner's zeros of the same shape. `input_embeds` ([C, D] on the device) holds the
+        batch's override rows (`ModelRunner.input_embeds_for`).
         """
         (input_ids, input_token_src, out_cache_loc, seq_lens, extend_seq_lens,
-         extend_prefix_lens, page_table, sampling) = jax.device_put(
+         extend_prefix_lens, page_table, input_embeds_src, sampling) = jax.device_put(
             (batch.input_ids, batch.input_token_src, batch.out_cache_loc, batch.seq_lens,
-             batch.extend_seq_lens, batch.extend_prefix_lens, batch.page_table, batch.sampling),
-            sharding)
+             batch.extend_seq_lens, batch.extend_prefix_lens, batch.page_table,
+             batch.input_embeds_src, batch.sampling), sharding)
         forward_batch = cls(
             forward_mode=batch.forward_mode, capture_hidden_mode=batch.capture_hidden_mode,
             batch_size=batch.bucket.num_reqs, input_ids=input_ids,
             input_token_src=input_token_src, prev_tokens=prev_tokens,
             out_cache_loc=out_cache_loc, seq_lens=seq_lens, extend_seq_lens=extend_seq_lens,
-            extend_prefix_lens=extend_prefix_lens, page_table=page_table)
+            extend_prefix_lens=extend_prefix_lens, page_table=page_table,
+            input_embeds_src=input_embeds_src, input_embeds=input_embeds)
         return forward_batch, sampling
+
+    def embed_inputs(self, embed_tokens) -> jax.Array:
+        """[T, D]: each token's embedding (`embed_tokens(ids)`), or the row of `input_embeds` that
+        replaces it. Decode tokens are always sampled ids, so decode steps skip the splice."""
+        x = embed_tokens(self.input_ids)
+        if self.forward_mode.is_decode():
+            return x
+        src = self.input_embeds_src
+        given = self.input_embeds[jnp.clip(src, 0, self.input_embeds.shape[0] - 1)]
+        return jnp.where((src >= 0)[:, None], given.astype(x.dtype), x)
 
     def prepare(self) -> "ForwardBatch":
         """Inside the step: the input ids still on the device, then positions and each token's

@@ -21,7 +21,8 @@ class TokenToKVPool:
 
     The zeros are written in a thread of their own while the engine compiles (writing gigabytes
     takes seconds on a CPU, where nothing else overlaps it); compiling needs only `spec`, and
-    the first read of `kv_cache` waits for them.
+    the first read of `kv_cache` waits for them. `release` frees the array and `resume` writes
+    zeros again with the same program (no compile), of the same shape and sharding.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -38,16 +39,33 @@ class TokenToKVPool:
         if not abstract:
             # Zeros made on the devices, each in its own shards: no host copy of the cache, and
             # a sharding that spans several processes (multi-host) works the same way.
-            zeros = jax.jit(partial(jnp.zeros, self.shape, self.dtype), out_shardings=sharding)
-            self._allocating = threading.Thread(target=self._allocate, args=(zeros,),
-                                                name="kv-cache-zeros", daemon=True)
+            self._zeros = jax.jit(partial(jnp.zeros, self.shape, self.dtype),
+                                  out_shardings=sharding)
+            self._allocating = threading.Thread(target=self._allocate, name="kv-cache-zeros",
+                                                daemon=True)
             self._allocating.start()
 
-    def _allocate(self, zeros) -> None:
+    def _allocate(self) -> None:
         try:
-            self._cache = jax.block_until_ready(zeros())
+            self._cache = jax.block_until_ready(self._zeros())
         except BaseException as e:  # re-raised on first use
             self._error = e
+
+    @property
+    def released(self) -> bool:
+        return self._cache is None and self._allocating is None
+
+    def release(self) -> None:
+        """Frees the cache's device memory (its contents are lost)."""
+        cache = self.kv_cache
+        if cache is not None:
+            cache.delete()
+        self._cache = None
+
+    def resume(self) -> None:
+        """A zeroed cache again after `release`, by the start-up program (already compiled)."""
+        if self.released:
+            self._cache = jax.block_until_ready(self._zeros())
 
     @property
     def kv_cache(self):

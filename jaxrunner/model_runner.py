@@ -26,17 +26,20 @@ from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, extend_buck
                                pick_bucket, sample_batch_sizes, verify_buckets)
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
+from jaxrunner.engine_lifecycle import check_memory_tags
 from jaxrunner.executable_cache import ExecutableCache
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.kv_cache import TokenToKVPool, available_kv_memory, kv_bytes_per_token
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
+from jaxrunner.model_weights import ModelWeights
 from jaxrunner.parallel import Parallelism, data_parallel_step
 from jaxrunner.sampler import SamplingBatch, abstract_sampling_batch, sample
+from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.spec_info import VerifyInput
 from jaxrunner.speculative.steps import captured_hidden, verify_step
 from models.config import ModelConfig
-from models.loader import load_model
+from models.load_format import abstract_state, load_state, resolve_load_format
 from models.registry import model_class
 from models.sharding import ShardedPlacer, sharded_model_config
 
@@ -47,7 +50,9 @@ logger = logging.getLogger(__name__)
 _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", "show_progress",
                          "disallow_compile_after_warmup", "compilation_cache_dir", "random_seed",
                          "schedule_policy", "schedule_conservativeness", "disable_radix_cache",
-                         "disable_overlap_schedule", "enable_mixed_chunk", "chunked_prefill_size")
+                         "disable_overlap_schedule", "enable_mixed_chunk", "chunked_prefill_size",
+                         "load_format", "enable_weights_cpu_backup", "weight_version")
+
 
 
 @jax.tree_util.register_dataclass
@@ -71,11 +76,6 @@ class SpeculativePlan:
     draft_buffer: bool             # verify reads the draft model's token buffer [S, W]; else
     #                                the drafts come from the host [R, D] (NGRAM)
     draft_kv_bytes_per_token: int  # the draft's KV, on the same pages as the target's
-
-def _resolve_dtype(name: str, cfg: ModelConfig):
-    if name == "auto":
-        name = cfg.torch_dtype if cfg.torch_dtype in ("float32", "bfloat16") else "bfloat16"
-    return jnp.dtype(name)
 
 
 def _forward_step(graphdef, backend, aux_layers, state, kv_cache, fb: ForwardBatch):
@@ -125,6 +125,7 @@ class ModelRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         self.context_len = args.context_length or model_config.max_position_embeddings
+        self.released_tags: set[str] = set()  # memory freed by release_memory_occupation
         self.args = self._with_platform_defaults(args)
         self.load_model()
         self.configure_kv_cache_dtype()
@@ -171,23 +172,33 @@ class ModelRunner:
         return dataclasses.replace(args, max_running_requests=running, max_prefill_tokens=prefill)
 
     def load_model(self) -> None:
+        """The weights in their shards, from `load_format` (models/load_format.py)."""
         cfg = self.model_config
-        self.dtype = _resolve_dtype(self.args.dtype, cfg)
+        self.dtype = jnp.dtype(cfg.resolve_dtype(self.args.dtype))
         # The model as sharded: KV heads repeated up to tp_size (models/sharding.py).
         self.sharded_config = sharded_model_config(cfg, self.parallel.tp_size)
         place = ShardedPlacer.for_model(self.parallel.mesh, cfg)
+        model_cls = model_class(self.sharded_config)
         if self.abstract:
-            self.graphdef, self.state = abstract_model(self.sharded_config, self.dtype, place)
-            self.weights_bytes = sum(
-                int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                for x in jax.tree.leaves(self.state))
-            return
-        model = load_model(model_class(self.sharded_config), self.sharded_config,
-                           self.args.model_path, self.dtype, place)
-        self.graphdef, self.state = nnx.split(model)
+            self.load_format = None
+            graphdef, state = abstract_state(model_cls, self.sharded_config, self.dtype, place)
+        else:
+            self.load_format = resolve_load_format(self.args.load_format, self.args.model_path)
+            graphdef, state = load_state(self.load_format, model_cls, self.sharded_config, cfg,
+                                         self.args.model_path, self.dtype, place,
+                                         seed=self.args.random_seed)
+        self.graphdef = graphdef
+        self.weights = ModelWeights(graphdef, state, model_cls=model_cls,
+                                    config=self.sharded_config, checkpoint_config=cfg,
+                                    dtype=self.dtype, placer=place,
+                                    compile_monitor=self.compile_monitor)
         # Per device: what one device's memory holds of the weights.
-        self.weights_bytes = sum(x.addressable_shards[0].data.nbytes
-                                 for x in jax.tree.leaves(self.state))
+        self.weights_bytes = self.weights.device_bytes
+
+    @property
+    def state(self):
+        """The weights the steps read (an nnx State of sharded arrays)."""
+        return self.weights.state
 
     def configure_kv_cache_dtype(self) -> None:
         self.kv_cache_dtype = (self.dtype if self.args.kv_cache_dtype == "auto"
@@ -266,9 +277,17 @@ class ModelRunner:
         # Every sampler returns max_batch_rows tokens, so the next step can read any row of
         # them on the device (overlapped scheduling) through one compiled shape.
         self.max_batch_rows = max(b.num_reqs for b in self.buckets)
+        self.input_sharding = self.parallel.batch if self.parallel.dp_size > 1 else io_sharding
         self.no_prev_tokens = jax.device_put(
-            np.zeros(self._per_dp_shape(self.max_batch_rows), np.int32),
-            self.parallel.batch if self.parallel.dp_size > 1 else io_sharding)
+            np.zeros(self._per_dp_shape(self.max_batch_rows), np.int32), self.input_sharding)
+        # Given input embeddings: rows for every token of the largest prefill step; steps
+        # without any read these resident zeros (nothing uploaded).
+        self.input_embeds_shape = (max(b.num_tokens for b in self.buckets
+                                       if b.mode == ForwardMode.EXTEND),
+                                   self.sharded_config.hidden_size)
+        self.no_input_embeds = jax.device_put(
+            np.zeros(self._per_dp_shape(*self.input_embeds_shape), self.dtype),
+            self.input_sharding)
         sample_fn = partial(_sample_padded, num_rows=self.max_batch_rows)
         if self.parallel.dp_size > 1:
             io_sharding = self.parallel.batch
@@ -279,7 +298,8 @@ class ModelRunner:
                                   out_shardings=io_sharding)
         self.compiler_options = defaults.COMPILER_OPTIONS.get(self.device.platform)
         self.executable_cache = ExecutableCache.create(
-            self.args.compilation_cache_path, self._program_fingerprint())
+            self.args.compilation_cache_path, self.parallel.mesh.devices.flat,
+            self._program_fingerprint())
         self.executables: dict[tuple[Bucket, CaptureHiddenMode], object] = {}
         self.sample_executables: dict[int, object] = {}
         sizes = self.sample_sizes()
@@ -381,7 +401,9 @@ class ModelRunner:
             forward_mode=bucket.mode, capture_hidden_mode=capture, batch_size=R,
             input_ids=i32(T), input_token_src=i32(T), prev_tokens=i32(self.max_batch_rows),
             out_cache_loc=i32(T), seq_lens=i32(R), extend_seq_lens=i32(R),
-            extend_prefix_lens=i32(R), page_table=i32(R, P), spec_info=self.spec_info_spec(bucket))
+            extend_prefix_lens=i32(R), page_table=i32(R, P), input_embeds_src=i32(T),
+            input_embeds=jax.ShapeDtypeStruct(self.input_embeds_shape, self.dtype),
+            spec_info=self.spec_info_spec(bucket))
 
     def spec_info_spec(self, bucket: Bucket):
         """The abstract `ForwardBatch.spec_info` of a bucket (None outside speculative modes)."""
@@ -398,6 +420,17 @@ class ModelRunner:
         return VerifyInput(drafts=drafts, slots=i32(R), num_drafts=i32(R),
                            sampling=abstract_sampling_batch(R))
 
+    def input_embeds_for(self, *batches: ModelWorkerBatch) -> jax.Array:
+        """The override buffer of a step (one batch, or one per DP rank): the resident zeros,
+        or the batches' given embeddings uploaded in a buffer of their own."""
+        if all(b.input_embeds is None for b in batches):
+            return self.no_input_embeds
+        host = np.zeros((len(batches), *self.input_embeds_shape), self.dtype)
+        for rank, batch in enumerate(batches):
+            if batch.input_embeds is not None:
+                host[rank, :len(batch.input_embeds)] = batch.input_embeds
+        return jax.device_put(host if self.parallel.dp_size > 1 else host[0], self.input_sharding)
+
     # ---- serving ----
 
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
@@ -405,6 +438,9 @@ class ModelRunner:
         Updates the KV cache in place (donated)."""
         if self.abstract:
             raise RuntimeError("an abstract ModelRunner (compile_only) has no weights to run")
+        if self.released_tags:
+            raise RuntimeError(f"memory {sorted(self.released_tags)} is released; "
+                               f"resume_memory_occupation first")
         mode = fb.forward_mode
         if mode.is_decode():
             return self.forward_decode(fb)
@@ -469,6 +505,47 @@ class ModelRunner:
         """Logits of captured hidden states (tests and tools; compiles per shape)."""
         return _compute_logits(self.graphdef, self.state, hidden)
 
+    # ---- memory saver ----
+
+    def release_memory_occupation(self, tags) -> None:
+        """Frees the device memory of `tags` ("weights", "kv_cache"): the weights with a host
+        copy when `enable_weights_cpu_backup`; the KV cache's contents are lost. The caller
+        must have no step in flight (`synchronize`) and drop every cached prefix."""
+        for tag in check_memory_tags(tags):
+            if tag in self.released_tags:
+                continue
+            if tag == "weights":
+                self.weights.release(self.args.enable_weights_cpu_backup)
+            else:
+                self.token_to_kv_pool.release()
+            self.released_tags.add(tag)
+
+    def resume_memory_occupation(self, tags) -> None:
+        """Allocates `tags` again with the same shapes, dtypes and shardings (so every
+        executable still fits): the KV cache zeroed, the weights from their host copy, or
+        zeros that an update must fill (`serving_blocker` says so until then)."""
+        for tag in check_memory_tags(tags):
+            if tag not in self.released_tags:
+                continue
+            if tag == "weights":
+                self.weights.resume()
+            else:
+                self.token_to_kv_pool.resume()
+            self.released_tags.discard(tag)
+
+    def serving_blocker(self) -> str | None:
+        """Why no step may run now (memory released, weights not loaded), or None."""
+        if self.released_tags:
+            return (f"the engine's {' and '.join(sorted(self.released_tags))} memory is "
+                    f"released; resume_memory_occupation first")
+        return self.weights.missing_reason()
+
+    def synchronize(self) -> None:
+        """Waits for every launched step: each writes the KV cache that the next one donates,
+        so the last cache is ready only when no step still reads the weights."""
+        if not self.token_to_kv_pool.released:
+            jax.block_until_ready(self.token_to_kv_pool.kv_cache)
+
 
 def compile_only(args: EngineArgs, model_config: ModelConfig,
                  compile_monitor: CompileMonitor | None = None) -> ModelRunner:
@@ -476,17 +553,6 @@ def compile_only(args: EngineArgs, model_config: ModelConfig,
     every bucket compiled: what start-up compiles, for measuring it and for filling a persistent
     compilation cache (`compilation_cache_dir`) before serving."""
     return ModelRunner(args, model_config, compile_monitor, abstract=True)
-
-
-def abstract_model(cfg: ModelConfig, dtype, place: ShardedPlacer):
-    """(graphdef, state of ShapeDtypeStructs carrying each parameter's sharding)."""
-    abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    for path, variable in flat:
-        variable.set_value(jax.ShapeDtypeStruct(variable.shape, variable.dtype,
-                                                sharding=place.sharding(path, variable.shape)))
-    return graphdef, nnx.from_flat_state(flat)
 
 
 @partial(jax.jit, static_argnums=0)

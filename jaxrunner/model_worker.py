@@ -100,7 +100,8 @@ class ModelWorker:
             raise ValueError("a runner with dp_size > 1 runs batches through "
                              "DataParallelWorker.forward_batch_generation")
         prev_tokens = runner.no_prev_tokens if prev is None else prev.next_token_ids
-        forward_batch, sampling = ForwardBatch.init_new(batch, prev_tokens)
+        forward_batch, sampling = ForwardBatch.init_new(batch, prev_tokens,
+                                                        runner.input_embeds_for(batch))
         return self.forward(forward_batch, sampling, batch.num_reqs)
 
     def forward(self, forward_batch: ForwardBatch, sampling, num_reqs: int

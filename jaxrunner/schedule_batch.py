@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxrunner.input_embeds import EmbedOverride
+
 from jaxrunner.buckets import Bucket
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
@@ -50,6 +52,8 @@ class Req:
     finished_reason: dict | None = None
     # Set when a stop string ended the request: the text, cut before the stop string.
     stopped_text: str | None = None
+    # Embeddings that replace some prompt tokens' own (`input_embeds`, `replace_embeds`).
+    embed_override: EmbedOverride | None = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -62,6 +66,14 @@ class Req:
         if start >= n_in:
             return self.output_ids[start - n_in:end - n_in]
         return self.origin_input_ids[start:end] + self.output_ids[:max(0, end - n_in)]
+
+    def cacheable(self, num_tokens: int) -> int:
+        """How many of the first `num_tokens` tokens the prefix cache may share: their KV
+        depends on their ids alone, so not a token at or past the first given embedding (nor
+        anything after it, whose attention saw it)."""
+        if self.embed_override is None:
+            return num_tokens
+        return min(num_tokens, self.embed_override.first_position)
 
     @property
     def seq_len(self) -> int:
@@ -101,6 +113,13 @@ class ModelWorkerBatch:
     # i32[R]: the token after each request's chunk, -1 where it is the one this step samples
     # (a speculative draft's prefill reads the tokens one ahead).
     next_token_ids: np.ndarray | None = None
+    # i32[T]: row of `input_embeds` that replaces the token's embedding, or -1 (None: all -1).
+    input_embeds_src: np.ndarray | None = None
+    input_embeds: np.ndarray | None = None  # [rows, D]: the step's given embeddings, or None
+
+    def __post_init__(self):
+        if self.input_embeds_src is None:
+            self.input_embeds_src = np.full(self.bucket.num_tokens, -1, np.int32)
 
     @classmethod
     def padding(cls, bucket: Bucket, page_size: int, max_pages_per_req: int) -> "ModelWorkerBatch":
@@ -180,6 +199,8 @@ class ScheduleBatch:
         next_token_ids = np.zeros(R, np.int32)
         # A verify step's tokens past the first are the drafts, filled on the device.
         verify = self.forward_mode == ForwardMode.TARGET_VERIFY
+        input_embeds_src = np.full(T, -1, np.int32)
+        given_embeds = []
 
         start = 0
         for i, (req, n, kv_n) in enumerate(zip(self.reqs, self.extend_lens, self.kv_lens)):
@@ -200,6 +221,12 @@ class ScheduleBatch:
             extend_seq_lens[i] = n
             extend_prefix_lens[i] = prefix
             page_table[i] = pages
+            if req.embed_override is not None:
+                positions, rows = req.embed_override.rows_in(prefix, prefix + n)
+                if len(positions):
+                    first = sum(len(r) for r in given_embeds)
+                    input_embeds_src[start + positions - prefix] = first + np.arange(len(rows))
+                    given_embeds.append(rows)
             start += n
 
         sampling = SamplingBatch.from_params(
@@ -211,4 +238,5 @@ class ScheduleBatch:
             out_cache_loc=out_cache_loc, seq_lens=seq_lens,
             extend_seq_lens=extend_seq_lens, extend_prefix_lens=extend_prefix_lens,
             page_table=page_table, sampling=sampling, req_pool_indices=req_pool_indices,
-            next_token_ids=next_token_ids)
+            next_token_ids=next_token_ids, input_embeds_src=input_embeds_src,
+            input_embeds=np.concatenate(given_embeds) if given_embeds else None)

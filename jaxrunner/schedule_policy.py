@@ -25,8 +25,8 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 def order_waiting(waiting: list[Req], policy: str, tree: RadixCache) -> list[Req]:
     """Highest priority first; within a priority FCFS, or longest cached prefix first (lpm)."""
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE and not tree.disable:
-        matched = {req.rid: tree.match_prefix(req.fill_ids, max_tokens=req.seq_len - 1).num_tokens
-                   for req in waiting}
+        matched = {req.rid: tree.match_prefix(
+            req.fill_ids, max_tokens=req.cacheable(req.seq_len - 1)).num_tokens for req in waiting}
         return sorted(waiting, key=lambda r: (-r.priority, -matched[r.rid], r.rid))
     return sorted(waiting, key=lambda r: (-r.priority, r.rid))
 

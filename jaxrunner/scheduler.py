@@ -196,7 +196,8 @@ class Scheduler:
         for req in order_waiting(self.waiting, args.schedule_policy, self.tree_cache):
             if partial is not None or budget.tokens <= 0 or budget.reqs <= 0:
                 break
-            match = self.tree_cache.match_prefix(req.fill_ids, max_tokens=req.seq_len - 1)
+            match = self.tree_cache.match_prefix(req.fill_ids,
+                                                 max_tokens=req.cacheable(req.seq_len - 1))
             remaining = req.seq_len - match.num_tokens
             # A prompt longer than what is left of the budget is chunked to fill it (as SGLang
             # does): the step then runs in its bucket without padding tokens.
@@ -287,7 +288,7 @@ class Scheduler:
             return
         pool, ps = self.req_to_token_pool, self.page_size
         known = req.fill_ids
-        whole = min(req.num_computed_tokens, len(known)) // ps
+        whole = req.cacheable(min(req.num_computed_tokens, len(known))) // ps
         if whole <= req.num_tree_pages:
             return
         pages = pool.pages(req.req_pool_idx).tolist()
@@ -308,7 +309,7 @@ class Scheduler:
         pool, ps = self.req_to_token_pool, self.page_size
         pages = pool.pages(req.req_pool_idx).tolist()
         known = req.fill_ids
-        whole = min(req.num_computed_tokens, len(known)) // ps
+        whole = req.cacheable(min(req.num_computed_tokens, len(known))) // ps
         if self.tree_cache.disable:
             self.allocator.free(pages)
         else:

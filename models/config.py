@@ -121,6 +121,13 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str
 
+    def resolve_dtype(self, name: str) -> str:
+        """The weights dtype an engine `dtype` argument names: "auto" is the checkpoint's
+        `torch_dtype` when it is float32 or bfloat16, else bfloat16."""
+        if name != "auto":
+            return name
+        return self.torch_dtype if self.torch_dtype in ("float32", "bfloat16") else "bfloat16"
+
     @property
     def o_proj_bias(self) -> bool:
         """Whether o_proj has a bias (Qwen2 biases q/k/v only)."""

@@ -145,7 +145,7 @@ class LlamaForCausalLM(nnx.Module):
         # inv_freq is a trace-time constant: the checkpoint does not carry it.
         inv_freq = inv_frequencies(self.config.rope, self.config.head_dim)
         cos, sin = rope_cos_sin(fb.positions, inv_freq)
-        x = self.model.embed_tokens(fb.input_ids)
+        x = fb.embed_inputs(self.model.embed_tokens)
         graphdef, layers_state = nnx.split(self.model.layers)
         num_layers = kv_cache.shape[0]
         wanted = jnp.asarray(aux_layers, jnp.int32)

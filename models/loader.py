@@ -115,36 +115,93 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
     graphdef, state = nnx.split(abstract)
     params = dict(nnx.to_flat_state(state))
     with CheckpointReader(model_dir) as ckpt:
-        available = set(ckpt.names)
-        used: set[str] = set()
-        missing: list[str] = []
-        sources = []
-        for path, variable in params.items():
-            source = _source(ckpt, path, tuple(variable.shape), model_dir)
-            names = ([source.name(layer) for layer in range(source.num_layers)]
-                     if source.num_layers is not None else [source.name(None)])
-            absent = [n for n in names if n not in available]
-            missing += absent
-            used.update(names)
-            if not absent:
-                sources.append((path, source))
-        if missing:
-            raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s) the model "
-                             f"needs, e.g. {missing[:5]}")
-        extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
-                       and n not in ignore
-                       and not (n == "lm_head.weight" and getattr(cfg, "tie_word_embeddings",
-                                                                  False)))
-        if extra:
-            raise ValueError(f"unexpected tensor(s) {extra[:5]} in checkpoint {model_dir} for "
-                             f"{getattr(cfg, 'architecture', type(cfg).__name__)}")
-        for path, source in sources:
-            value = place(source, params[path].dtype)
-            if tuple(value.shape) != tuple(params[path].shape):
-                raise ValueError(f"parameter {'.'.join(map(str, path))} was placed as "
-                                 f"{tuple(value.shape)}, expected {tuple(params[path].shape)}")
+        sources = checkpoint_sources(ckpt, {p: tuple(v.shape) for p, v in params.items()}, cfg,
+                                     ignore)
+        # Each parameter keeps the dtype the model gave it (e.g. EAGLE-3's integer d2t).
+        for path, value in place_all(sources, {p: v.dtype for p, v in params.items()}, place):
             params[path].set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(params))
+
+
+def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
+                       ignore: tuple[str, ...] = ()) -> list[tuple[tuple, ParamSource]]:
+    """The `ParamSource` of every parameter (path -> shape as the model holds it) in an open
+    checkpoint. Raises ValueError naming the tensors the checkpoint lacks or has in excess
+    (tensors named in `ignore` are allowed and not read)."""
+    model_dir = ckpt.model_dir
+    available = set(ckpt.names)
+    used: set[str] = set()
+    missing: list[str] = []
+    sources = []
+    for path, shape in shapes.items():
+        source = _source(ckpt, path, shape, model_dir)
+        names = ([source.name(layer) for layer in range(source.num_layers)]
+                 if source.num_layers is not None else [source.name(None)])
+        absent = [n for n in names if n not in available]
+        missing += absent
+        used.update(names)
+        if not absent:
+            sources.append((path, source))
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s) the model "
+                         f"needs, e.g. {missing[:5]}")
+    extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
+                   and n not in ignore
+                   and not (n == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False)))
+    if extra:
+        raise ValueError(f"unexpected tensor(s) {extra[:5]} in checkpoint {model_dir} for "
+                         f"{getattr(cfg, 'architecture', type(cfg).__name__)}")
+    return sources
+
+
+def place_all(sources: list[tuple[tuple, ParamSource]], dtype, place: Callable):
+    """Yields (path, device array) for each source, placed one parameter at a time; `dtype` is
+    one dtype for all, or a dict path -> dtype."""
+    for path, source in sources:
+        value = place(source, dtype[path] if isinstance(dtype, dict) else dtype)
+        if tuple(value.shape) != tuple(source.shape):
+            raise ValueError(f"parameter {'.'.join(map(str, path))} was placed as "
+                             f"{tuple(value.shape)}, expected {tuple(source.shape)}")
+        yield path, value
+
+
+# ---- Hugging Face names of the parameters, both ways ----
+
+# The inverse of each LEAF_RULES transform (ours -> the checkpoint's layout); identity if absent.
+_TO_CHECKPOINT_LAYOUT: dict[str, Callable[[np.ndarray], np.ndarray]] = {"kernel": np.transpose}
+
+
+def to_model_layout(path: tuple, tensor):
+    """A checkpoint tensor of parameter `path` (one layer's, for a stacked one) in our layout.
+    Works on numpy arrays and, inside `jax.jit`, on traced ones."""
+    return LEAF_RULES[path[-1]][1](tensor)
+
+
+def to_checkpoint_layout(path: tuple, value):
+    """The inverse of `to_model_layout`."""
+    return _TO_CHECKPOINT_LAYOUT.get(path[-1], lambda w: w)(value)
+
+
+def layout_shape(path: tuple, shape: tuple, to_checkpoint: bool = False) -> tuple:
+    """The shape `to_model_layout` (or `to_checkpoint_layout`) gives a tensor of `shape`,
+    computed on a view that holds no data."""
+    view = np.broadcast_to(np.zeros((), np.uint8), shape)
+    return tuple((to_checkpoint_layout if to_checkpoint else to_model_layout)(path, view).shape)
+
+
+def tensor_shapes(shapes: dict[tuple, tuple]) -> dict[str, tuple[tuple, int | None, tuple]]:
+    """Hugging Face tensor name -> (parameter path, decoder layer or None, the tensor's shape in
+    the checkpoint) for every tensor that the parameters of `shapes` (path -> shape as the model
+    holds it) are made of: the inverse of `hf_name`."""
+    index = {}
+    for path, shape in shapes.items():
+        if is_stacked(path):
+            layer_shape = layout_shape(path, shape[1:], to_checkpoint=True)
+            for layer in range(shape[0]):
+                index[hf_name(path, layer)] = (path, layer, layer_shape)
+        else:
+            index[hf_name(path)] = (path, None, layout_shape(path, shape, to_checkpoint=True))
+    return index
 
 
 def _source(ckpt: CheckpointReader, path: tuple, shape: tuple, model_dir) -> ParamSource:

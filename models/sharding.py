@@ -99,11 +99,39 @@ class ShardedPlacer:
                 return NamedSharding(self.mesh, P())
         return NamedSharding(self.mesh, spec)
 
+    def layer_sharding(self, path: tuple, shape: tuple) -> NamedSharding:
+        """The sharding of one layer of the stacked parameter `path` of `shape` [L, ...]."""
+        return NamedSharding(self.mesh, P(*self.sharding(path, shape).spec[1:]))
+
+    def repeat_heads(self, path: tuple, array):
+        """A k/v projection's tensor (our layout) with its KV heads repeated as the sharded
+        model holds them; any other tensor as it is. Works on numpy and on traced arrays. (A
+        tensor of the wrong size passes through whole, for the caller's shape check to name.)"""
+        if (self.kv_repeats > 1 and _KV_PROJ.search(path_name(path))
+                and array.shape[-1] % self.num_kv_heads == 0):
+            return repeat_kv_heads(array, self.num_kv_heads, self.kv_repeats)
+        return array
+
+    def unrepeat_heads(self, path: tuple, array):
+        """The inverse of `repeat_heads`: the checkpoint's KV heads of a k/v projection's tensor
+        (our layout); works on traced arrays."""
+        if self.kv_repeats > 1 and _KV_PROJ.search(path_name(path)):
+            *lead, features = array.shape
+            heads = array.reshape(*lead, self.num_kv_heads, self.kv_repeats,
+                                  features // (self.num_kv_heads * self.kv_repeats))
+            return heads[..., 0, :].reshape(*lead, features // self.kv_repeats)
+        return array
+
     def __call__(self, source: ParamSource, dtype) -> jax.Array:
-        if self.kv_repeats > 1 and _KV_PROJ.search(path_name(source.path)):
-            # (A tensor of the wrong size passes through whole; the source names it.)
-            source = source.map(lambda a: repeat_kv_heads(a, self.num_kv_heads, self.kv_repeats)
-                                if a.shape[-1] % self.num_kv_heads == 0 else a)
+        source = source.map(lambda a: self.repeat_heads(source.path, a))
         sharding = self.sharding(source.path, source.shape)
         return jax.make_array_from_callback(source.shape, sharding,
                                             lambda index: read_full(source, dtype, index))
+
+    def place_layer(self, source: ParamSource, layer: int, dtype) -> jax.Array:
+        """Layer `layer` of a stacked parameter alone, sharded as that layer is in the whole."""
+        source = source.map(lambda a: self.repeat_heads(source.path, a))
+        sharding = self.layer_sharding(source.path, source.shape)
+        return jax.make_array_from_callback(
+            source.shape[1:], sharding,
+            lambda index: read_full(source, dtype, (slice(layer, layer + 1), *index))[0])

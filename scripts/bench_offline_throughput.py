@@ -11,6 +11,10 @@ checkpoints/small on first use:
         --prompts-per-group 8 --prefix-len 512 --suffix-len 32 --output-len 32 32
     python scripts/bench_offline_throughput.py --baseline hf   # + HF generate on the same requests
     python scripts/bench_offline_throughput.py --baseline hf --hf-batch-sizes 64 128  # HF's best
+    # A Llama-3-8B-shaped model with random weights made on the devices, from its config alone:
+    python scripts/bench_offline_throughput.py --config llama3-8b --load-format dummy \
+        --dtype bfloat16 --num-prompts 2 --input-len 16 32 --output-len 4 8 \
+        --max-running-requests 2 --max-prefill-tokens 64 --max-total-tokens 1024
     # DP attention, 2 ranks (on CPU, simulate the devices):
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python scripts/bench_offline_throughput.py --dp-size 2
@@ -39,6 +43,7 @@ from tqdm.auto import tqdm
 
 from bench_common import (ModelShapes, emit, floor_seconds, machine_info,
                           measure_matmul_rates, print_table)
+from model_configs import CONFIGS, write_config
 from jaxrunner import Engine
 from models.config import ModelConfig
 from models.random_checkpoint import PAD_ID, cached_checkpoint
@@ -52,6 +57,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", help="HF checkpoint dir (default: the built-in small model)")
+    p.add_argument("--config", choices=sorted(CONFIGS),
+                   help="a real model's config.json alone, instead of --model-path (needs "
+                        "--load-format dummy)")
+    p.add_argument("--load-format", default="auto",
+                   choices=("auto", "safetensors", "orbax", "dummy"),
+                   help="the engine's load_format (dummy: random weights from config.json)")
     p.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
     p.add_argument("--num-prompts", type=int, default=128, help="random: request count")
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
@@ -89,6 +100,10 @@ def parse_args(argv=None):
                    help="timed runs per matmul shape of the rate probe (median)")
     p.add_argument("--json-out", help="also write the JSON result to this file")
     args = p.parse_args(argv)
+    if args.config and (args.model_path or args.load_format != "dummy"):
+        p.error("--config runs a config alone: give --load-format dummy and no --model-path")
+    if args.load_format == "dummy" and args.baseline == "hf":
+        p.error("--baseline hf needs a checkpoint; dummy weights have none")
     for name in ("input_len", "output_len"):
         lo, hi = getattr(args, name)
         if not 0 < lo <= hi:
@@ -167,6 +182,8 @@ def engine_kwargs(args, model_path: str) -> dict:
         kwargs["disable_radix_cache"] = True
     if args.enable_mixed_chunk:
         kwargs["enable_mixed_chunk"] = True
+    if args.load_format != "auto":
+        kwargs["load_format"] = args.load_format
     return kwargs
 
 
@@ -236,7 +253,10 @@ def throughput(elapsed: float, num_reqs: int, input_tokens: int, output_tokens: 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model_path = args.model_path or str(cached_checkpoint("small", ROOT / "checkpoints"))
+    if args.config:
+        model_path = str(write_config(args.config, ROOT / "checkpoints" / f"{args.config}-config"))
+    else:
+        model_path = args.model_path or str(cached_checkpoint("small", ROOT / "checkpoints"))
     # The rate probe compiles, so it runs before the engine forbids compiles.
     shapes = ModelShapes.from_config(ModelConfig.from_pretrained(model_path), args.dtype)
     rates = measure_matmul_rates(shapes, dtype=shapes.dtype, reps=args.probe_reps)
@@ -257,6 +277,7 @@ def main(argv=None) -> dict:
     num_devices = engine.runner.parallel.num_devices
     result = {
         "model_path": model_path,
+        "load_format": engine.runner.load_format,
         "backend": engine.runner.attention_backend_name,
         "device": str(engine.runner.device),
         "machine": machine_info(),
@@ -294,7 +315,8 @@ def main(argv=None) -> dict:
 
     emit(result, args.json_out)
     rows = [
-        ("workload", args.workload), ("requests", num_reqs), ("input tokens", input_tokens),
+        ("workload", args.workload), ("weights", result["load_format"]),
+        ("requests", num_reqs), ("input tokens", input_tokens),
         ("output tokens", run["output_tokens"]),
         ("prompt tokens from the prefix cache", run["cached_tokens"]),
         ("start-up (s)", startup_s),

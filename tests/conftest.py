@@ -2,6 +2,7 @@
 
 import pytest
 
+from models import orbax_checkpoint
 from models.random_checkpoint import cached_checkpoint
 
 # Engine settings the tests share, so that engines of one model reuse compiled executables
@@ -30,3 +31,12 @@ def checkpoint(checkpoint_root):
 def engine_kwargs(compilation_cache_dir):
     return dict(ENGINE_DEFAULTS, compilation_cache_dir=compilation_cache_dir,
                 disallow_compile_after_warmup=True)
+
+
+@pytest.fixture(scope="session")
+def orbax_llama(checkpoint, checkpoint_root):
+    """tiny-llama converted to an orbax checkpoint directory (load_format "orbax")."""
+    out = checkpoint_root / "tiny-llama-orbax"
+    if not orbax_checkpoint.has_checkpoint(out):
+        orbax_checkpoint.convert(checkpoint("tiny-llama"), out)
+    return out

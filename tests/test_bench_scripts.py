@@ -102,6 +102,22 @@ def test_bench_offline_throughput_shared_prefix(checkpoint, compilation_cache_di
     assert 0 <= result["cached_tokens"] <= 2 * 32  # at most the later prompts' prefixes
 
 
+def test_bench_offline_throughput_runs_dummy_weights_from_a_config_alone(
+        checkpoint, compilation_cache_dir, tmp_path):
+    (tmp_path / "config.json").write_text((checkpoint("tiny-llama") / "config.json").read_text())
+    flags = _common_flags(checkpoint, compilation_cache_dir)
+    flags[1] = str(tmp_path)  # --model-path: config.json and nothing else
+    result = bench_offline_throughput.main(
+        flags + ["--load-format", "dummy", "--num-prompts", "2", "--input-len", "8", "16",
+                 "--output-len", "2", "3", "--max-running-requests", "16",
+                 "--max-prefill-tokens", "512"])
+    assert result["load_format"] == "dummy" and result["compiles_after_warmup"] == 0
+    assert result["num_prompts"] == 2 and 4 <= result["output_tokens"] <= 6
+    with pytest.raises(SystemExit):  # dummy weights have no checkpoint to compare with
+        bench_offline_throughput.parse_args(flags + ["--load-format", "dummy",
+                                                     "--baseline", "hf"])
+
+
 @pytest.fixture(scope="module")
 def one_batch_json(checkpoint, compilation_cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("one_batch") / "one_batch.json"

@@ -282,7 +282,8 @@ def test_every_forward_mode_runs_its_own_path_or_names_itself(engine, mode, monk
     try:
         family = ForwardMode.DECODE if decode_shaped else ForwardMode.EXTEND
         worker_batch = batch.get_model_worker_batch(engine.worker.pick_bucket(family, 2, 2))
-        fb, _ = ForwardBatch.init_new(worker_batch, runner.no_prev_tokens)
+        fb, _ = ForwardBatch.init_new(worker_batch, runner.no_prev_tokens,
+                                      runner.input_embeds_for(worker_batch))
         if mode in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED):
             logits = np.asarray(runner.forward(fb).next_token_logits)
             assert np.isfinite(logits[:2]).all()

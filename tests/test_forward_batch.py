@@ -9,6 +9,7 @@ from jaxrunner.sampling_batch import SamplingBatch
 from jaxrunner.schedule_batch import ModelWorkerBatch
 
 NO_PREV = jnp.zeros(4, jnp.int32)
+NO_EMBEDS = jnp.zeros((4, 8), jnp.float32)
 
 
 def _worker_batch(mode, prefix_lens, new_lens, T, R, pages=4):
@@ -25,7 +26,7 @@ def _worker_batch(mode, prefix_lens, new_lens, T, R, pages=4):
 
 
 def _prepared(worker_batch, prev_tokens=NO_PREV):
-    fb, _ = ForwardBatch.init_new(worker_batch, prev_tokens)
+    fb, _ = ForwardBatch.init_new(worker_batch, prev_tokens, NO_EMBEDS)
     return jax.jit(ForwardBatch.prepare)(fb)
 
 
@@ -48,18 +49,19 @@ def test_decode_positions_are_seq_len_minus_one():
 
 
 def test_forward_batch_is_a_pytree_with_static_mode_and_derived_fields_unset():
-    fb, _ = ForwardBatch.init_new(_worker_batch(ForwardMode.EXTEND, [0], [3], T=4, R=1), NO_PREV)
+    fb, _ = ForwardBatch.init_new(_worker_batch(ForwardMode.EXTEND, [0], [3], T=4, R=1), NO_PREV,
+                                 NO_EMBEDS)
     leaves, treedef = jax.tree.flatten(fb)
     # The uploaded inputs only: positions and the like are computed inside the step, so every
     # call of a bucket has this one structure.
-    assert len(leaves) == 8 and all(isinstance(x, jax.Array) for x in leaves)
+    assert len(leaves) == 10 and all(isinstance(x, jax.Array) for x in leaves)
     assert fb.positions is None and fb.token_to_req is None
     rebuilt = jax.tree.unflatten(treedef, leaves)
     assert rebuilt.forward_mode == ForwardMode.EXTEND and rebuilt.batch_size == 1
     decode_fb, _ = ForwardBatch.init_new(_worker_batch(ForwardMode.DECODE, [2], [1], T=1, R=1),
-                                         NO_PREV)
+                                         NO_PREV, NO_EMBEDS)
     assert jax.tree.structure(decode_fb) != jax.tree.structure(ForwardBatch.init_new(
-        _worker_batch(ForwardMode.EXTEND, [2], [1], T=1, R=1), NO_PREV)[0])
+        _worker_batch(ForwardMode.EXTEND, [2], [1], T=1, R=1), NO_PREV, NO_EMBEDS)[0])
 
 
 def test_tokens_still_on_the_device_come_from_the_previous_steps_samples():

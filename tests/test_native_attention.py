@@ -97,7 +97,7 @@ def test_native_matches_dense_reference(case, page_size, group, window, soft_cap
     poison = np.full_like(cache, np.nan)
     stacked = np.concatenate([poison, cache, poison])
     backend = NativeAttentionBackend(cfg)
-    fb, _ = ForwardBatch.init_new(wb, jnp.zeros(4, jnp.int32))
+    fb, _ = ForwardBatch.init_new(wb, jnp.zeros(4, jnp.int32), jnp.zeros((1, 1)))
 
     @jax.jit
     def run(q, k, v, cache, fb):

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxrunner.server import native_api, openai_api
+from jaxrunner.server import lifecycle_api, native_api, openai_api
 from jaxrunner.server.engine_loop import EngineLoop
 from jaxrunner.server.metrics import ServerMetrics
 from jaxrunner.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -90,8 +90,11 @@ def build_app(engine, served_model_name: str | None = None) -> FastAPI:
         return {"version": VERSION, "served_model_name": state.served_model_name,
                 "context_length": state.context_len,
                 "vocab_size": engine.model_config.vocab_size,
+                "weight_version": engine.weight_version,
                 "engine_args": dataclasses.asdict(engine.args),
                 "engine_alive": engine_loop.alive, **engine_loop.stats}
+
+    lifecycle_api.add_routes(app, state, parse)
 
     @app.get("/metrics")
     async def metrics_text():

@@ -5,6 +5,11 @@ The engine is not thread-safe, so exactly this thread calls `add_request`, `step
 several prompts, or `n` samples) through a thread-safe inbox and read `Delta`s from the group's
 asyncio queue. The loop hands out the deltas of a whole step in one `call_soon_threadsafe`, so it
 never waits for a slow client; with nothing to run, it blocks on the inbox instead of spinning.
+
+Engine calls that change its memory or weights (`call`, jaxrunner/engine_lifecycle.py) run on
+this thread once every request in the engine has finished (or, when asked, been aborted); the
+requests in flight keep streaming meanwhile, and requests that arrive meanwhile wait and are
+admitted right after the call.
 """
 
 import asyncio
@@ -15,6 +20,7 @@ import threading
 import time
 import traceback
 
+from jaxrunner.engine_lifecycle import EngineNotReadyError
 from jaxrunner.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -24,9 +30,10 @@ log = logging.getLogger(__name__)
 class RequestSpec:
     """One engine request: what `Engine.add_request` takes."""
 
-    input_ids: list[int]
+    input_ids: list[int]           # placeholders when the prompt is `input_embeds`
     sampling_params: dict
     return_logprob: bool = False
+    input_embeds: list | None = None  # [tokens, hidden_size]
 
 
 @dataclasses.dataclass
@@ -38,6 +45,7 @@ class Delta:
     logprobs: list[float]
     finished_reason: dict | None = None
     stopped_text: str | None = None
+    weight_version: str | None = None  # of the weights the request ran on (when finished)
 
 
 class EngineError(RuntimeError):
@@ -82,6 +90,16 @@ class _Track:
     last_token_time: float | None = None
 
 
+@dataclasses.dataclass
+class _Call:
+    """An engine call waiting for the engine to have no request left."""
+
+    fn: object                     # fn(engine) -> result
+    future: asyncio.Future
+    abort_all_requests: bool
+    when_idle: bool
+
+
 class EngineLoop:
     """Owns the engine on a thread of its own. `start(loop)`, `submit`, `abort`, `stop`."""
 
@@ -90,6 +108,8 @@ class EngineLoop:
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracks: dict = {}    # Req -> _Track
+        self._calls: list[_Call] = []
+        self._held: list[RequestGroup] = []  # arrived while a call waits: admitted after it
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: str | None = None
@@ -121,6 +141,16 @@ class EngineLoop:
             raise
         return group
 
+    async def call(self, fn, abort_all_requests: bool = False, when_idle: bool = True):
+        """Runs `fn(engine)` on the engine thread and returns its result (or raises its
+        exception): with `when_idle`, once no request is left in the engine (those in it
+        finish first, or are aborted with `abort_all_requests`), else between two steps."""
+        if not self.alive:
+            raise EngineError(self.error or "the engine loop is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", _Call(fn, future, abort_all_requests, when_idle)))
+        return await future
+
     def abort(self, group: RequestGroup) -> None:
         """Stops the group's unfinished requests (a client went away); frees their KV pages."""
         if not group.finished:
@@ -141,12 +171,15 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while True:
-                block = not self.engine.has_unfinished_requests
+                block = not self.engine.has_unfinished_requests and not self._calls
                 out: list = []
                 if not self._handle_commands(block, out):
                     self._abort_all(out)
+                    self._fail_calls(EngineError("the server is shutting down"), out)
                     self._send(out)
                     return
+                if self._calls and not self.engine.has_unfinished_requests:
+                    self._run_calls(out)
                 if self.engine.has_unfinished_requests:
                     self._deliver(self.engine.step(), out)
                 self._publish_stats()
@@ -166,8 +199,16 @@ class EngineLoop:
             block = False
             if cmd == "stop":
                 return False
-            if cmd == "add":
+            if cmd == "add" and self._calls:
+                self._held.append(group)
+            elif cmd == "add":
                 self._add(group, out)
+            elif cmd == "call" and not group.when_idle:
+                self._run_call(group, out)
+            elif cmd == "call":
+                self._calls.append(group)
+                if group.abort_all_requests:
+                    self._abort_all(out)
             elif cmd == "abort_all":
                 self._abort_all(out)
             elif cmd == "abort":
@@ -177,16 +218,41 @@ class EngineLoop:
                         self._deliver([req], out)
             self._publish_stats()
 
+    def _run_calls(self, out: list) -> None:
+        calls, self._calls = self._calls, []
+        for call in calls:
+            self._run_call(call, out)
+        held, self._held = self._held, []
+        for group in held:
+            self._add(group, out)
+
+    def _run_call(self, call: _Call, out: list) -> None:
+        try:
+            out.append((call.future.set_result, call.fn(self.engine)))
+        except Exception as e:  # the caller's to answer; the engine keeps serving
+            out.append((call.future.set_exception, e))
+        self._deliver([r for r in self._tracks if r.finished], out)
+
+    def _fail_calls(self, error: BaseException, out: list) -> None:
+        out += [(call.future.set_exception, error) for call in self._calls]
+        out += [(group.accepted.set_exception, error) for group in self._held]
+        self._calls, self._held = [], []
+
     def _add(self, group: RequestGroup, out: list) -> None:
         reqs = []
         try:
             for spec in group.specs:
-                reqs.append(self.engine.add_request(spec.input_ids, spec.sampling_params,
-                                                    spec.return_logprob))
-        except ValueError as e:
+                # A prompt given as embeddings: the ids are placeholders the engine makes.
+                embeds = {} if spec.input_embeds is None else {"input_embeds": spec.input_embeds}
+                ids = None if embeds else spec.input_ids
+                reqs.append(self.engine.add_request(ids, spec.sampling_params,
+                                                    spec.return_logprob, **embeds))
+        except (ValueError, EngineNotReadyError) as e:
             for req in reqs:
                 self.engine.abort_request(req)
-            out.append((group.accepted.set_exception, ValueError(str(e))))
+            error = (EngineError(str(e)) if isinstance(e, EngineNotReadyError)
+                     else ValueError(str(e)))
+            out.append((group.accepted.set_exception, error))
             return
         group.reqs = reqs
         for i, req in enumerate(reqs):
@@ -215,6 +281,7 @@ class EngineLoop:
             if req.finished:
                 delta.finished_reason = dict(req.finished_reason)
                 delta.stopped_text = req.stopped_text
+                delta.weight_version = self.engine.weight_version
                 del self._tracks[req]
                 if self.metrics:
                     self.metrics.observe_finished(req.finished_reason["type"],
@@ -231,6 +298,7 @@ class EngineLoop:
     def _fail_all(self, error: BaseException) -> None:
         out = [(t.group.queue.put_nowait, error) for t in self._tracks.values()]
         self._tracks.clear()
+        self._fail_calls(error, out)
         self._send(out)
         # Submissions that raced with the failure must not wait for ever.
         while True:
@@ -240,6 +308,8 @@ class EngineLoop:
                 break
             if cmd == "add":
                 self._send([(group.accepted.set_exception, error)])
+            elif cmd == "call":
+                self._send([(group.future.set_exception, error)])
 
     def _send(self, out: list) -> None:
         if out:

@@ -1,9 +1,9 @@
-"""SGLang's native `/generate`: `text` or `input_ids`, engine `sampling_params` as they are,
-`return_logprob`, `stream`.
+"""SGLang's native `/generate`: `text`, `input_ids` or `input_embeds` (a prompt as embeddings,
+[tokens, hidden_size] floats), engine `sampling_params` as they are, `return_logprob`, `stream`.
 
 The answer is SGLang's: `{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
-"completion_tokens", "finish_reason", ["output_token_logprobs"], "e2e_latency"}}`, a list of them
-for a batch. Streamed chunks carry the text and output ids so far (cumulative, SGLang's default)
+"completion_tokens", "finish_reason", ["output_token_logprobs"], "e2e_latency",
+"weight_version"}}`, a list of them for a batch. Streamed chunks carry the text and output ids so far (cumulative, SGLang's default)
 and, for a batch, the `index` of the request.
 """
 
@@ -12,6 +12,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from jaxrunner.input_embeds import PLACEHOLDER_ID
 from jaxrunner.server.detokenizer import IncrementalDetokenizer
 from jaxrunner.server.engine_loop import EngineError, RequestSpec
 from jaxrunner.server.protocol import APIError, GenerateRequest
@@ -19,9 +20,17 @@ from jaxrunner.server.state import SSE_DONE, Result, ServerState, collect, sse
 
 
 async def generate(state: ServerState, request: Request, body: GenerateRequest):
-    if (body.text is None) == (body.input_ids is None):
-        raise APIError("give exactly one of text and input_ids", 400, "text")
-    if body.text is not None:
+    if sum(x is not None for x in (body.text, body.input_ids, body.input_embeds)) != 1:
+        raise APIError("give exactly one of text and input_ids, or input_embeds", 400, "text")
+    embeds = None
+    if body.input_embeds is not None:
+        if not body.input_embeds or not body.input_embeds[0]:
+            raise APIError("input_embeds is empty", 400, "input_embeds")
+        # One prompt is [tokens][hidden] floats, a batch a list of those.
+        single = not isinstance(body.input_embeds[0][0], list)
+        embeds = [body.input_embeds] if single else body.input_embeds
+        prompts = [[PLACEHOLDER_ID] * len(e) for e in embeds]
+    elif body.text is not None:
         single = isinstance(body.text, str)
         texts = [body.text] if single else body.text
         if not texts or any(not t for t in texts):
@@ -36,14 +45,15 @@ async def generate(state: ServerState, request: Request, body: GenerateRequest):
     specs = []
     for i, (ids, p, lp) in enumerate(zip(prompts, params, logprob_flags)):
         where = "" if single else f"request {i}: "
-        state.check_prompt(ids, "input_ids" if body.text is None else "text")
+        state.check_prompt(ids, "text" if body.text is not None
+                           else "input_ids" if embeds is None else "input_embeds")
         state.check_sampling(p, where)
         budget = p.get("max_new_tokens", 128)
         if len(ids) + budget > state.context_len:
             raise APIError(f"{where}requested {len(ids) + budget} tokens ({len(ids)} in the "
                            f"prompt, max_new_tokens={budget}), more than the context length "
                            f"{state.context_len}", 400, "max_new_tokens")
-        specs.append(RequestSpec(ids, p, lp))
+        specs.append(RequestSpec(ids, p, lp, None if embeds is None else embeds[i]))
     group = await state.submit(specs)
     if body.stream:
         return StreamingResponse(_stream(state, request, group, single, body),
@@ -68,7 +78,8 @@ def _per_request(value, n: int, name: str, default) -> list:
 def _output(state, group, i: int, r: Result, text: str | None, body) -> dict:
     meta = {"id": f"{id(group):x}-{i}", "prompt_tokens": len(group.specs[i].input_ids),
             "completion_tokens": len(r.token_ids), "finish_reason": r.finished_reason,
-            "e2e_latency": time.perf_counter() - group.arrival}
+            "e2e_latency": time.perf_counter() - group.arrival,
+            "weight_version": r.weight_version}
     if group.specs[i].return_logprob:
         meta["output_token_logprobs"] = [
             (lp, t, state.token_text(t) if body.return_text_in_logprobs else None)

@@ -168,6 +168,8 @@ class GenerateRequest(BaseModel):
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
+    # A prompt as embeddings [tokens, hidden_size], or a list of them.
+    input_embeds: list[list[float]] | list[list[list[float]]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
@@ -176,3 +178,38 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int | None = Field(None, ge=0, le=0)
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+
+
+# ---- the lifecycle endpoints (jaxrunner/server/lifecycle_api.py), SGLang's bodies ----
+
+
+class MemoryOccupationRequest(BaseModel):
+    model_config = _STRICT
+    tags: list[str] | None = None
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    model_config = _STRICT
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """`serialized_named_tensors`: the base64 of a safetensors file holding the tensors under
+    their Hugging Face names (e.g. `safetensors.torch.save(...)` or `safetensors.numpy.save`),
+    or a list of such strings, applied together."""
+
+    model_config = _STRICT
+    serialized_named_tensors: str | list[str]
+    load_format: str | None = None   # only None or "safetensors"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class GetWeightsByNameRequest(BaseModel):
+    model_config = _STRICT
+    name: str
+    truncate_size: int = Field(100, ge=1)

@@ -132,6 +132,7 @@ class Result:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finished_reason: dict | None = None
     stopped_text: str | None = None
+    weight_version: str | None = None
 
     def add(self, delta: Delta) -> None:
         self.token_ids += delta.token_ids
@@ -139,6 +140,7 @@ class Result:
         if delta.finished_reason is not None:
             self.finished_reason = delta.finished_reason
             self.stopped_text = delta.stopped_text
+            self.weight_version = delta.weight_version
 
     def text(self, tokenizer) -> str | None:
         return None if tokenizer is None else final_text(tokenizer, self.token_ids,

@@ -48,7 +48,10 @@ def _standalone_step(step, state, shared, kv_cache, draft, fb):
 
 class DraftRunner(ModelRunner):
     """`kind` is "EAGLE", "EAGLE3" or "STANDALONE"; `config` a DraftHeadConfig (heads) or the
-    draft model's ModelConfig."""
+    draft model's ModelConfig. Its weights are loaded once and kept: the engine's weight
+    updates and memory release act on the target (`ModelRunner.weights`), not on the draft."""
+
+    state = None  # the draft's own weights, a plain attribute (the target's is `weights.state`)
 
     def __init__(self, target: ModelRunner, kind: str, config, path: str, window: int):
         self.target = target
@@ -64,6 +67,7 @@ class DraftRunner(ModelRunner):
         self.device = target.device
         self.compile_monitor = target.compile_monitor
         self.context_len = target.context_len
+        self.released_tags = set()
         self.args = dataclasses.replace(target.args, model_path=path)
         self.load_model()
         self.kv_cache_dtype = target.kv_cache_dtype

@@ -32,7 +32,7 @@ from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
-from jaxrunner.model_runner import SpeculativePlan, _resolve_dtype
+from jaxrunner.model_runner import SpeculativePlan
 from jaxrunner.model_worker import GenerationBatchResult, ModelWorker
 from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.draft_runner import HEADS, DraftRunner, draft_kv_bytes_per_token
@@ -75,7 +75,7 @@ class SpeculativeWorker:
         self.speculative_window = window = args.speculative_window
         self.num_drafts = window - 1
         draft_config, layer, num_layers = _draft_config(args, model_config)
-        dtype = _resolve_dtype(args.dtype, model_config)
+        dtype = jax.numpy.dtype(model_config.resolve_dtype(args.dtype))
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else np.dtype(args.kv_cache_dtype)
         heads = self.algorithm in HEADS
         plan = SpeculativePlan(
@@ -135,12 +135,13 @@ class SpeculativeWorker:
             return result
         draft = self.draft
         if self.algorithm in HEADS:
-            fb, _ = ForwardBatch.init_new(self._shifted_one_ahead(batch), result.next_token_ids)
+            fb, _ = ForwardBatch.init_new(self._shifted_one_ahead(batch), result.next_token_ids,
+                                          draft.no_input_embeds)
             fb = fb.replace(spec_info=DraftPrefillInput(
                 slots=jax.device_put(self._slot_rows(batch)),
                 hidden_states=result.logits_output.hidden_states))
         else:
-            fb, _ = ForwardBatch.init_new(batch, draft.no_prev_tokens)
+            fb, _ = ForwardBatch.init_new(batch, draft.no_prev_tokens, draft.no_input_embeds)
         draft.forward(fb)
         return result
 
@@ -208,7 +209,7 @@ class SpeculativeWorker:
             host_drafts, counts = proposal
             drafts[:n], num_drafts[:n] = host_drafts, counts
         num_drafts[:n] = np.clip(np.minimum(num_drafts[:n], limits), 0, D)
-        fb, sampling = ForwardBatch.init_new(batch, runner.no_prev_tokens)
+        fb, sampling = ForwardBatch.init_new(batch, runner.no_prev_tokens, runner.no_input_embeds)
         slots_dev, num_drafts_dev = jax.device_put((slots, num_drafts))
         out = runner.forward(fb.replace(spec_info=VerifyInput(
             drafts=drafts, slots=slots_dev, num_drafts=num_drafts_dev, sampling=sampling)))
@@ -216,7 +217,7 @@ class SpeculativeWorker:
             extend = dataclasses.replace(
                 batch, forward_mode=ForwardMode.DRAFT_EXTEND,
                 bucket=Bucket(ForwardMode.DRAFT_EXTEND, batch.bucket.num_tokens, R))
-            fb, _ = ForwardBatch.init_new(extend, draft.no_prev_tokens)
+            fb, _ = ForwardBatch.init_new(extend, draft.no_prev_tokens, draft.no_input_embeds)
             draft.forward(fb.replace(spec_info=DraftExtendInput(
                 slots=slots_dev, tokens=out.tokens, accept_len=out.accept_len,
                 hidden_states=out.hidden_states)))
@@ -244,7 +245,7 @@ class SpeculativeWorker:
             extend_seq_lens=real.astype(np.int32),
             extend_prefix_lens=np.where(real, pos, 0).astype(np.int32),
             page_table=batch.page_table, sampling=batch.sampling)
-        fb, _ = ForwardBatch.init_new(step, draft.no_prev_tokens)
+        fb, _ = ForwardBatch.init_new(step, draft.no_prev_tokens, draft.no_input_embeds)
         info = jax.device_put(DraftDecodeInput(slots=slots, step=np.int32(col),
                                                from_host=np.full(R, from_host)))
         draft.forward(fb.replace(spec_info=info))

@@ -61,6 +61,8 @@ def main(spec: dict) -> dict:
                             jax_devices=jax.device_count(), **extra))
         if spec.get("decode_hlo"):
             results[-1]["decode_hlo"] = decode_hlo_summary(engine)
+        if spec.get("lifecycle"):
+            results[-1]["lifecycle"] = lifecycle_report(engine, spec, params)
         engine.shutdown()
     return {"results": results}
 
@@ -75,6 +77,33 @@ def dp_report(engine) -> dict:
             "pages_free": [[s.allocator.num_free, s.allocator.capacity] for s in scheduler.ranks],
             "slots_free": [s.req_to_token_pool.num_free_slots for s in scheduler.ranks],
             "memory_stats": engine.memory_stats()}
+
+
+def lifecycle_report(engine, spec: dict, params: dict) -> dict:
+    """Weights read back, a tensor update with those values (one as a numpy array, one as a JAX
+    array sharded another way) and a release/resume cycle, each followed by the prompts again:
+    under tensor parallelism every value must come back as it was."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    names = spec["lifecycle"]
+    full = {n: engine.get_weights_by_name(n, 10**6) for n in names}
+    read = {n: full[n][:4].astype(float).tolist() for n in names}
+    tensors = [(names[0], full[names[0]]),
+               (names[1], jax.device_put(full[names[1]], jax.devices()[-1]))]
+    ok, message = engine.update_weights_from_tensor(tensors)
+    warm = engine.compile_monitor.count
+    after_update = engine.generate(input_ids=spec["prompts"], sampling_params=params)
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    after_resume = engine.generate(input_ids=spec["prompts"], sampling_params=params)
+    readback_equal = all(np.array_equal(engine.get_weights_by_name(n, 10**6), full[n])
+                         for n in names)
+    return {"read": read, "update": [ok, message],
+            "after_update": [o["output_ids"] for o in after_update],
+            "after_resume": [o["output_ids"] for o in after_resume],
+            "serving_compiles": engine.compile_monitor.count - warm,
+            "readback_equal": readback_equal}
 
 
 def decode_hlo_summary(engine) -> dict:

@@ -28,6 +28,8 @@ class FakeReq:
 class FakeEngine:
     """Emits token 7 per step per request; `fail_at` makes step number n raise."""
 
+    weight_version = "default"
+
     def __init__(self, fail_at=None):
         self.reqs, self.steps, self.fail_at = [], 0, fail_at
 
@@ -135,3 +137,48 @@ def test_a_failing_step_fails_its_requests_and_later_submissions():
             await loop.submit([RequestSpec([1], {"max_new_tokens": 1})])
 
     _run(engine, body)
+
+
+class SlowEngine(FakeEngine):
+    """A step takes 5 ms, so a call reaches the loop while the requests still run."""
+
+    def step(self):
+        time.sleep(0.005)
+        return super().step()
+
+
+def _state(engine):
+    return engine.steps, [r.finished_reason["type"] for r in engine.reqs if r.finished]
+
+
+def test_a_call_waits_for_the_requests_in_flight_and_holds_new_ones_until_it_ran():
+    engine = SlowEngine()
+
+    async def body(loop):
+        running = await loop.submit([RequestSpec([1], {"max_new_tokens": 40})])
+        call = asyncio.create_task(loop.call(_state))
+        await asyncio.sleep(0.02)  # the call is queued behind the running request
+        later = asyncio.create_task(loop.submit([RequestSpec([2], {"max_new_tokens": 2})]))
+        seen = await call
+        await _collect(running)
+        await _collect(await later)
+        return seen
+
+    steps, finished = _run(engine, body)
+    assert (steps, finished) == (40, ["length"])  # ran after the request, before the later one
+    assert engine.steps == 42
+
+
+def test_a_call_can_abort_the_requests_in_flight_or_run_between_two_steps():
+    engine = SlowEngine()
+
+    async def body(loop):
+        first = await loop.submit([RequestSpec([1], {"max_new_tokens": 10 ** 6})])
+        between = await loop.call(lambda e: sum(not r.finished for r in e.reqs), when_idle=False)
+        seen = await loop.call(_state, abort_all_requests=True)
+        deltas = await _collect(first)
+        return between, seen, deltas[-1].finished_reason
+
+    between, (steps, finished), reason = _run(engine, body)
+    assert between == 1 and finished == ["abort"] and reason == {"type": "abort"}
+    assert steps < 10 ** 6
