@@ -59,6 +59,11 @@ def run(model_path, engine_kwargs, prompts, params, **spec):
             outs = (engine.generate(input_ids=prompts[:half], sampling_params=params[:half])
                     + engine.generate(input_ids=prompts[half:], sampling_params=params[half:]))
         assert counter.count == 0, f"{counter.count} compiles after warm-up"
+        if spec:  # the draft would not see given embeddings: refused, and serving goes on
+            hidden = engine.model_config.hidden_size
+            with pytest.raises(ValueError, match="speculative decoding"):
+                engine.generate(input_embeds=np.zeros((3, hidden), np.float32),
+                                sampling_params=params[0])
         assert engine.flush_cache()
         scheduler = engine.scheduler
         assert scheduler.allocator.num_free == scheduler.allocator.capacity, "pages leaked"
