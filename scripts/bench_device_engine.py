@@ -105,9 +105,11 @@ def write_model(args) -> tuple[Path, dict]:
 
 
 def engine_kwargs(args, model_dir: Path, load: dict) -> dict:
-    """Enough KV for the largest batch at full length, and a cold compilation cache of its own."""
+    """KV for twice the largest batch at full length (admission reserves for future tokens, and
+    the previous batches' prefixes stay cached until evicted: the whole batch must still be
+    admitted at once), and a cold compilation cache of its own."""
     longest = args.input_len + args.output_len + args.decode_steps
-    pages = -(-longest // args.page_size) + 1
+    pages = 2 * (-(-longest // args.page_size) + 1)
     return dict(model_path=str(model_dir), dtype=args.dtype, page_size=args.page_size,
                 attention_backend=args.attention_backend,
                 max_running_requests=max(args.batch_sizes),
@@ -142,7 +144,9 @@ def run_batch(engine, args, batch: int, seed: int) -> dict:
                      "output_tokens": produced})
     short, long = runs
     extra_steps = long["steps"] - short["steps"]
+    # One decode step of all B rows per extra token, unless admission split the batch.
     return {"batch": batch, "runs": runs, "extra_steps": extra_steps,
+            "whole_batch_decode": extra_steps == args.decode_steps,
             "decode_step_s": (long["elapsed_s"] - short["elapsed_s"]) / extra_steps,
             "output_tok_s": long["output_tokens"] / long["elapsed_s"]}
 
@@ -205,9 +209,11 @@ def finish(args, result: dict, batches: list[dict]) -> dict:
             print(f"start-up {result['startup_s']:.1f} s, copy bandwidth "
                   f"{result['copy_bandwidth']['copy_bytes_per_s'] / 1e9:.0f} GB/s, compiles "
                   f"after warm-up {result['compiles_after_warmup']}")
-            print_grid(["batch", "output tok/s", "decode step ms", "HBM floor ms", "step/floor"],
+            print_grid(["batch", "output tok/s", "decode step ms", "HBM floor ms", "step/floor",
+                        "extra steps"],
                        [[b["batch"], b["output_tok_s"], 1e3 * b["decode_step_s"],
-                         1e3 * b["floor_s"], b["step_over_floor"]] for b in batches])
+                         1e3 * b["floor_s"], b["step_over_floor"],
+                         f"{b['extra_steps']} of {args.decode_steps}"] for b in batches])
         else:
             print(f"dry run: {args.preset} {args.dtype}, weights "
                   f"{result['weight_bytes'] / 1e9:.1f} GB, load {result['load']}, batches "
