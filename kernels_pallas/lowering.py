@@ -26,10 +26,6 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend.lowering import JaxIrContext, upstream_dialects
 from jax.extend.mlir import ir, passmanager
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-# jaxlib's own bindings of the Mosaic TPU and Triton dialects (jax has no public alias): the
-# kernels inside the custom calls are MLIR bytecode in those dialects.
-from jaxlib.mosaic.python import tpu as mosaic_tpu
-from jaxlib.triton import dialect as triton_dialect
 
 TPU_CUSTOM_CALL = "tpu_custom_call"
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
@@ -120,6 +116,12 @@ def _call_lines(exported: jax.export.Exported, target_name: str) -> list[str]:
 
 
 def _context() -> ir.Context:
+    # jaxlib's own bindings of the Mosaic TPU and Triton dialects (jax has no public alias): the
+    # kernels inside the custom calls are MLIR bytecode in those dialects. Imported here, so the
+    # engine (model_runner.lower_only) imports this module without them.
+    from jaxlib.mosaic.python import tpu as mosaic_tpu  # noqa: PLC0415
+    from jaxlib.triton import dialect as triton_dialect  # noqa: PLC0415
+
     context = JaxIrContext()
     context.append_dialect_registry(upstream_dialects)
     context.load_all_available_dialects()
