@@ -13,10 +13,9 @@ the copy bandwidth measured first on the same device. Also reported: output tok/
 run, start-up (Engine() from call to return, compilation cache empty), and compiles after warm-up
 (must be 0: the engine runs with disallow_compile_after_warmup).
 
-Weights: `load_format="dummy"` (random weights from config.json alone) where EngineArgs has that
-field, else a random checkpoint written on the spot with models/random_checkpoint.py (slower:
-16 GB of safetensors in `--work-dir`, kept for the next run). Everything printed goes to
-`--out-dir` too (result.json, table.txt).
+Weights: `load_format="dummy"` (random weights made on the device from config.json alone: the
+shapes of scripts/model_configs.py, or of a models/random_checkpoint.py preset). Everything
+printed goes to `--out-dir` too (result.json, table.txt).
 """
 
 import argparse
@@ -43,8 +42,9 @@ from bench_common import (  # noqa: E402
     print_grid,
 )
 from jaxrunner.config import EngineArgs  # noqa: E402
+from model_configs import CONFIGS, write_config  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.random_checkpoint import PRESETS, cached_checkpoint, hf_config  # noqa: E402
+from models.random_checkpoint import PRESETS, hf_config  # noqa: E402
 
 FIRST_ORDINARY_ID = 16  # random prompts avoid the low ids (special tokens in real vocabularies)
 GOALS = {"decode_step_over_floor_at_64": 1.5}  # issue 18: batch 64 within 1.5x of the HBM floor
@@ -53,7 +53,9 @@ GOALS = {"decode_step_over_floor_at_64": 1.5}  # issue 18: batch 64 within 1.5x 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="llama3-8b", choices=sorted({*CONFIGS, *PRESETS}),
+                        help="a real model's shapes (scripts/model_configs.py) or a random "
+                             "checkpoint preset's")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--input-len", type=int, default=512)
@@ -64,15 +66,9 @@ def parse_args(argv=None):
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30,
                         help="buffer size of the copy-bandwidth measurement")
-    parser.add_argument("--load-format", choices=("auto", "dummy", "checkpoint"), default="auto",
-                        help="auto: dummy where EngineArgs has load_format, else a checkpoint")
     parser.add_argument("--work-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "jaxrunner_device_check",
-                        help="the model and the (emptied, so cold) compilation cache: large, so "
-                             "not in --out-dir")
-    parser.add_argument("--write-model-only", action="store_true",
-                        help="write the model into --work-dir and exit (device_check.sh does it "
-                             "while the kernel tests run)")
+                        help="config.json and the (emptied, so cold) compilation cache")
     parser.add_argument("--dry-run", action="store_true",
                         help="check imports, arguments and the plan; start no engine")
     args = parser.parse_args(argv)
@@ -81,30 +77,21 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.batch_sizes) < 1:
         parser.error("--batch-sizes must be >= 1")
-    if args.load_format == "dummy" and not has_dummy_load_format():
-        parser.error("--load-format dummy: this EngineArgs has no load_format field")
     return args
 
 
-def has_dummy_load_format() -> bool:
-    return "load_format" in {f.name for f in dataclasses.fields(EngineArgs)}
-
-
-def write_model(args) -> tuple[Path, dict]:
-    """The model directory, with config.json alone (dummy weights) or a whole random checkpoint
-    (kept between runs: complete once its marker is written), and the engine arguments that load
-    it."""
-    dummy = args.load_format == "dummy" or (args.load_format == "auto" and has_dummy_load_format())
-    root = args.work_dir / "models"
-    if dummy or args.dry_run:
-        model_dir = root / f"{args.preset}-{args.dtype}-config"
+def write_model(args) -> Path:
+    """A directory with the model's config.json alone (the weights are `load_format="dummy"`)."""
+    model_dir = args.work_dir / "models" / f"{args.preset}-{args.dtype}"
+    if args.preset in CONFIGS:
+        write_config(args.preset, model_dir)
+    else:
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(hf_config(args.preset, args.dtype)))
-        return model_dir, {"load_format": "dummy"} if dummy else {}
-    return cached_checkpoint(args.preset, root / args.dtype, dtype=args.dtype, shards=8), {}
+    return model_dir
 
 
-def engine_kwargs(args, model_dir: Path, load: dict) -> dict:
+def engine_kwargs(args, model_dir: Path) -> dict:
     """KV for twice the largest batch at full length (admission reserves for future tokens, and
     the previous batches' prefixes stay cached until evicted: the whole batch must still be
     admitted at once), and a cold compilation cache of its own."""
@@ -116,7 +103,7 @@ def engine_kwargs(args, model_dir: Path, load: dict) -> dict:
                 max_total_tokens=(max(args.batch_sizes) * pages + 1) * args.page_size,
                 compilation_cache_dir=str(args.work_dir / "compilation_cache"),
                 disallow_compile_after_warmup=True, skip_tokenizer_init=True,
-                show_progress=False, **load)
+                show_progress=False, load_format="dummy")
 
 
 def floor_s(shapes: ModelShapes, batch: int, context: float, bandwidth: float) -> tuple:
@@ -153,18 +140,15 @@ def run_batch(engine, args, batch: int, seed: int) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model_dir, load = write_model(args)
-    if args.write_model_only:
-        print(f"model in {model_dir}")
-        return {}
+    model_dir = write_model(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    kwargs = engine_kwargs(args, model_dir, load)
+    kwargs = engine_kwargs(args, model_dir)
     EngineArgs.from_kwargs(**kwargs)  # the arguments are valid for this engine
     shapes = ModelShapes.from_config(ModelConfig.from_pretrained(model_dir), args.dtype)
     context = args.input_len + args.output_len + args.decode_steps / 2  # mean over extra steps
     result = {"preset": args.preset, "dtype": args.dtype, "input_len": args.input_len,
               "output_len": args.output_len, "decode_steps": args.decode_steps,
-              "load": load.get("load_format", "random checkpoint"), "engine_kwargs": kwargs,
+              "engine_kwargs": kwargs,
               "weight_bytes": shapes.weight_bytes, "kv_bytes_per_token": shapes.kv_bytes_per_token,
               "machine": machine_info(), "goals": GOALS}
     if args.dry_run:
@@ -216,7 +200,7 @@ def finish(args, result: dict, batches: list[dict]) -> dict:
                          f"{b['extra_steps']} of {args.decode_steps}"] for b in batches])
         else:
             print(f"dry run: {args.preset} {args.dtype}, weights "
-                  f"{result['weight_bytes'] / 1e9:.1f} GB, load {result['load']}, batches "
+                  f"{result['weight_bytes'] / 1e9:.1f} GB (dummy), batches "
                   f"{args.batch_sizes}; engine arguments valid")
     emit(result, str(args.out_dir / "result.json"))
     print(table.getvalue())

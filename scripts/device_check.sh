@@ -55,7 +55,7 @@ step() {
     if [[ $rc -ne 0 && $status -eq 0 ]]; then status=$rc; fi
 }
 
-step device 120 "$python" - "$dry_run" <<'PY'
+step device 60 "$python" - "$dry_run" <<'PY'
 import importlib.util, sys
 
 import jax
@@ -80,24 +80,11 @@ if [[ $dry_run -eq 1 ]]; then
     step bench_device_engine 120 "$python" scripts/bench_device_engine.py \
         --out-dir "$out_dir/engine" --work-dir "$out_dir/engine/work" --dry-run
 else
-    # The 8B model's weights (a random checkpoint where the engine has no dummy load format) are
-    # written on the CPU meanwhile: the first two steps mostly wait on the GPU.
-    timeout 300 "$python" scripts/bench_device_engine.py --out-dir "$out_dir/engine" \
-        --write-model-only > "$out_dir/write_model.txt" 2>&1 &
-    writer=$!
     step kernel_tests 150 "$python" -m pytest "${kernel_tests[@]}" --durations=10
     step bench_attention 60 "$python" scripts/bench_attention.py \
         --json-out "$out_dir/bench_attention.json"
-    wait "$writer"
-    writer_rc=$?
-    echo "== write_model: exit $writer_rc" | tee -a "$summary"
-    if [[ $writer_rc -ne 0 ]]; then
-        cat "$out_dir/write_model.txt"
-        if [[ $status -eq 0 ]]; then status=$writer_rc; fi
-    else
-        step bench_device_engine 210 "$python" scripts/bench_device_engine.py \
-            --out-dir "$out_dir/engine"
-    fi
+    step bench_device_engine 180 "$python" scripts/bench_device_engine.py \
+        --out-dir "$out_dir/engine"
 fi
 
 echo "device check: exit $status (output in $out_dir)" | tee -a "$summary"
