@@ -5,6 +5,7 @@ Chosen from the platform and the KV capacity, as SGLang chooses its own from the
 | setting | CPU | TPU / GPU | why |
 |---|---|---|---|
 | `max_running_requests` | 128 | 256 | CPU: 2-core decode throughput rises until about 128 rows (bench_one_batch), and 128 runs the offline benchmark's whole default workload at once; accelerators keep gaining past 256 but every decode bucket is one more executable |
+| ... on TPU (Pallas attention) | - | at most 768 KiB / (4 B x pages per request) | the TPU kernel keeps the step's page table (int32, requests x pages per request) in SMEM, 1 MiB on v4 and newer: Llama-3.1's 131072-token context at page size 16 serves 24 requests, page size 64 serves 96 (an explicit `max_running_requests` over the SMEM is refused at start-up) |
 | `max_prefill_tokens` | 1024 | 8192 | CPU: 1024 was faster than 2048 on the random offline benchmark (26.4 s vs 25.5 s) since a prefill step stalls decoding; accelerators: SGLang's chunked prefill size for large GPUs |
 | cap of both | KV pages | KV pages | a running request holds at least one page; a prefill step cannot write more tokens than the cache holds |
 | KV cache (no `max_total_tokens`) | `mem_fraction_static` of free host memory, at most 2 GiB and at most every running request at full context | `mem_fraction_static` of device memory less the weights | host memory is shared with everything else, and start-up writes every byte of the cache (1 to 2.5 s per GiB on the 2-core VMs, overlapped with compiling); 2 GiB holds 256k tokens of the small model, over twice what the offline benchmark's 128 requests can reach (vLLM's CPU default is 4 GiB) |
@@ -24,8 +25,17 @@ _ACCELERATOR_MAX_RUNNING_REQUESTS = 256
 _ACCELERATOR_MAX_PREFILL_TOKENS = 8192
 
 
-def default_max_running_requests(platform: str) -> int:
-    return _MAX_RUNNING_REQUESTS.get(platform, _ACCELERATOR_MAX_RUNNING_REQUESTS)
+# 3/4 of a TPU's 1 MiB of SMEM for the page table: the kernel keeps its other scalars there too.
+TPU_PAGE_TABLE_BYTES = 768 * 1024
+
+
+def default_max_running_requests(platform: str, attention_backend: str = "auto",
+                                 pages_per_req: int = 1) -> int:
+    """`attention_backend` resolved; `pages_per_req`: a request's pages at full context."""
+    running = _MAX_RUNNING_REQUESTS.get(platform, _ACCELERATOR_MAX_RUNNING_REQUESTS)
+    if platform == "tpu" and attention_backend == "pallas":
+        running = min(running, max(MIN_DECODE_BATCH, TPU_PAGE_TABLE_BYTES // (4 * pages_per_req)))
+    return running
 
 
 def default_max_prefill_tokens(platform: str) -> int:

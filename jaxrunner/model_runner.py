@@ -5,6 +5,10 @@ init attention backend -> precompile (SGLang's CUDA-graph capture). `forward` se
 `ForwardMode` to a path of its own (the seed's `_forward_raw`) and replays the executable of the
 batch's bucket; `sample` is a separate executable per padded request count. It knows nothing
 about scheduling policy.
+
+`compile_only` builds a runner from shapes alone and compiles every bucket; `lower_only` builds one
+for a TPU or GPU this machine need not have and lowers a bucket's programs on request
+(`export_step`, `export_sampler`), which is how CI checks the whole step for TPU and CUDA.
 """
 
 import dataclasses
@@ -33,11 +37,12 @@ from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.kv_cache import TokenToKVPool, available_kv_memory, kv_bytes_per_token
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_weights import ModelWeights
-from jaxrunner.parallel import Parallelism, data_parallel_step
+from jaxrunner.parallel import DATA_AXIS, TENSOR_AXIS, Parallelism, data_parallel_step
 from jaxrunner.sampler import SamplingBatch, abstract_sampling_batch, sample
 from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.spec_info import VerifyInput
 from jaxrunner.speculative.steps import captured_hidden, verify_step
+from kernels_pallas import lowering
 from models.config import ModelConfig
 from models.load_format import abstract_state, load_state, resolve_load_format
 from models.registry import model_class
@@ -103,19 +108,31 @@ def _sample_padded(logits, sampling: SamplingBatch, *, num_rows: int):
 
 
 class ModelRunner:
+    lowering_target: "lowering.Target | None" = None  # set by lower_only (subclasses: never)
+
     def __init__(self, args: EngineArgs, model_config: ModelConfig,
                  compile_monitor: CompileMonitor | None = None, *, abstract: bool = False,
-                 speculative: SpeculativePlan | None = None):
+                 speculative: SpeculativePlan | None = None,
+                 lowering_target: lowering.Target | None = None):
         """`abstract`: build from shapes alone, with no weights read and no KV memory, and only
         compile (`compile_only`). `speculative`: the target of speculative decoding, which
-        verifies drafts instead of decoding (jaxrunner/speculative/spec_worker.py)."""
-        self.abstract = abstract
+        verifies drafts instead of decoding (jaxrunner/speculative/spec_worker.py).
+        `lowering_target`: build from shapes alone for that device, on an abstract mesh of it, and
+        compile nothing (`lower_only`)."""
+        self.lowering_target = lowering_target
+        self.abstract = abstract or lowering_target is not None
         self.speculative = speculative
         self.model_config = model_config
         distributed.initialize(args)  # multi-host: before anything touches a device
-        self.parallel = Parallelism.create(args.tp_size, args.dp_size)
+        if lowering_target is None:
+            self.parallel = Parallelism.create(args.tp_size, args.dp_size)
+        else:
+            self.parallel = Parallelism.from_mesh(
+                lowering_target.mesh((args.dp_size, args.tp_size), (DATA_AXIS, TENSOR_AXIS)))
         # This process's first device: its platform and memory size the KV cache.
         self.device = jax.local_devices()[0]
+        self.platform = (lowering_target.platform if lowering_target is not None
+                         else self.device.platform)
         self.compile_monitor = compile_monitor or CompileMonitor()
         if args.compilation_cache_path and jax.process_count() > 1:
             # One process: the executable cache (precompile). Several: JAX's own cache, which
@@ -126,6 +143,7 @@ class ModelRunner:
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         self.context_len = args.context_length or model_config.max_position_embeddings
         self.released_tags: set[str] = set()  # memory freed by release_memory_occupation
+        self.attention_backend_name = resolve_backend_name(args.attention_backend, self.platform)
         self.args = self._with_platform_defaults(args)
         self.load_model()
         self.configure_kv_cache_dtype()
@@ -164,8 +182,10 @@ class ModelRunner:
     def _with_platform_defaults(self, args: EngineArgs) -> EngineArgs:
         """`args` with the limits the caller left out chosen for this platform
         (jaxrunner/defaults.py); `init_memory_pool` caps them by the KV capacity."""
-        platform = self.device.platform
-        running = args.max_running_requests or defaults.default_max_running_requests(platform)
+        platform = self.platform
+        pages_per_req = -(-self.context_len // args.page_size)
+        running = args.max_running_requests or defaults.default_max_running_requests(
+            platform, self.attention_backend_name, pages_per_req)
         prefill = args.max_prefill_tokens or max(defaults.default_max_prefill_tokens(platform),
                                                  args.chunked_prefill_size or 0)
         self._auto_limits = (args.max_running_requests is None, args.max_prefill_tokens is None)
@@ -214,10 +234,13 @@ class ModelRunner:
             per_token += self.speculative.draft_kv_bytes_per_token
         if args.max_total_tokens is not None:
             max_total_tokens = args.max_total_tokens
+        elif self.lowering_target is not None:
+            raise ValueError(f"lowering for {self.lowering_target} needs max_total_tokens: there "
+                             f"is no device memory to size the KV cache from")
         else:
             budget = available_kv_memory(self.device, self.weights_bytes, args.mem_fraction_static)
             max_total_tokens = budget // per_token
-            if self.device.platform == "cpu":
+            if self.platform == "cpu":
                 # Host memory is shared with everything else, and more than every running
                 # request at full context buys nothing (jaxrunner/defaults.py).
                 max_total_tokens = min(max_total_tokens, defaults.CPU_MAX_KV_BYTES // per_token,
@@ -256,46 +279,28 @@ class ModelRunner:
 
     def init_attention_backend(self) -> None:
         cfg = self.sharded_config
-        self.attention_backend_name = resolve_backend_name(self.args.attention_backend,
-                                                           self.device.platform)
         attn_config = AttentionConfig(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.head_dim ** -0.5,
-            num_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window)
+            num_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
+            kv_dtype=self.kv_cache_dtype.name)
         self.attn_backend = create_attention_backend(self.attention_backend_name, attn_config,
                                                      interpret=self.args.pallas_interpret,
-                                                     mesh=self.parallel.mesh)
+                                                     mesh=self.parallel.mesh,
+                                                     platform=self.platform)
 
     def precompile(self) -> None:
         """Compiles every bucket's step and sampler ahead of time (SGLang: CUDA-graph capture),
-        several at once: XLA compiles outside the GIL, and the programs are independent."""
-        # Logits leave the step whole (the sampler is not sharded); the KV cache keeps its
-        # sharding, so the donated buffer is reused step after step.
-        # DP attention (jaxrunner/dp_attention.py): one step for all ranks, each over its row of
-        # a [dp, ...] batch, sampling per rank.
-        io_sharding = self.parallel.replicated
-        # Every sampler returns max_batch_rows tokens, so the next step can read any row of
-        # them on the device (overlapped scheduling) through one compiled shape.
-        self.max_batch_rows = max(b.num_reqs for b in self.buckets)
-        self.input_sharding = self.parallel.batch if self.parallel.dp_size > 1 else io_sharding
+        several at once: XLA compiles outside the GIL, and the programs are independent. With a
+        `lowering_target`, only builds the programs (`export_step` lowers them one at a time)."""
+        self._build_programs()
+        if self.lowering_target is not None:
+            return
         self.no_prev_tokens = jax.device_put(
             np.zeros(self._per_dp_shape(self.max_batch_rows), np.int32), self.input_sharding)
-        # Given input embeddings: rows for every token of the largest prefill step; steps
-        # without any read these resident zeros (nothing uploaded).
-        self.input_embeds_shape = (max(b.num_tokens for b in self.buckets
-                                       if b.mode == ForwardMode.EXTEND),
-                                   self.sharded_config.hidden_size)
         self.no_input_embeds = jax.device_put(
             np.zeros(self._per_dp_shape(*self.input_embeds_shape), self.dtype),
             self.input_sharding)
-        sample_fn = partial(_sample_padded, num_rows=self.max_batch_rows)
-        if self.parallel.dp_size > 1:
-            io_sharding = self.parallel.batch
-            sample_fn = jax.vmap(sample_fn)
-        self._io_sharding = io_sharding
-        self._step_fns = {mode: self.jit_step(mode) for mode in {b.mode for b in self.buckets}}
-        self._sample_fn = jax.jit(sample_fn, in_shardings=io_sharding,
-                                  out_shardings=io_sharding)
         self.compiler_options = defaults.COMPILER_OPTIONS.get(self.device.platform)
         self.executable_cache = ExecutableCache.create(
             self.args.compilation_cache_path, self.parallel.mesh.devices.flat,
@@ -308,13 +313,45 @@ class ModelRunner:
         jobs = [partial(self._compile_step, b, self.capture_for(b)) for b in self.buckets]
         jobs += [partial(self._compile_sampler, size) for size in sizes]
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            for future in [pool.submit(job) for job in jobs]:
-                future.result()
-                progress.update()
+            futures = [pool.submit(job) for job in jobs]
+            try:
+                for future in futures:
+                    future.result()
+                    progress.update()
+            except BaseException:
+                # One program that cannot compile fails start-up: don't compile the rest first.
+                pool.shutdown(cancel_futures=True)
+                raise
         progress.close()
         if not self.abstract:
             jax.block_until_ready(self.token_to_kv_pool.kv_cache)  # the zeros, written meanwhile
         self.warm_compile_count = self.compile_monitor.count
+
+    def _build_programs(self) -> None:
+        """The jitted steps and sampler every bucket's executable is lowered from, and the shapes
+        of the steps' resident inputs."""
+        # Logits leave the step whole (the sampler is not sharded); the KV cache keeps its
+        # sharding, so the donated buffer is reused step after step.
+        # DP attention (jaxrunner/dp_attention.py): one step for all ranks, each over its row of
+        # a [dp, ...] batch, sampling per rank.
+        io_sharding = self.parallel.replicated
+        # Every sampler returns max_batch_rows tokens, so the next step can read any row of
+        # them on the device (overlapped scheduling) through one compiled shape.
+        self.max_batch_rows = max(b.num_reqs for b in self.buckets)
+        self.input_sharding = self.parallel.batch if self.parallel.dp_size > 1 else io_sharding
+        # Given input embeddings: rows for every token of the largest prefill step; steps
+        # without any read resident zeros (nothing uploaded).
+        self.input_embeds_shape = (max(b.num_tokens for b in self.buckets
+                                       if b.mode == ForwardMode.EXTEND),
+                                   self.sharded_config.hidden_size)
+        sample_fn = partial(_sample_padded, num_rows=self.max_batch_rows)
+        if self.parallel.dp_size > 1:
+            io_sharding = self.parallel.batch
+            sample_fn = jax.vmap(sample_fn)
+        self._io_sharding = io_sharding
+        self._step_fns = {mode: self.jit_step(mode) for mode in {b.mode for b in self.buckets}}
+        self._sample_fn = jax.jit(sample_fn, in_shardings=io_sharding,
+                                  out_shardings=io_sharding)
 
     def _program_fingerprint(self) -> tuple:
         """What the compiled programs depend on, for the executable cache's key."""
@@ -363,21 +400,48 @@ class ModelRunner:
         """Keeps the step's donated operands that came back updated."""
         (self.token_to_kv_pool.kv_cache,) = donated
 
+    def _step_args(self, bucket: Bucket, capture: CaptureHiddenMode) -> tuple:
+        """The abstract operands and ForwardBatch a bucket's step is lowered from."""
+        return (*self.step_operands(abstract=True),
+                self._per_dp_rank(self.forward_batch_spec(bucket, capture)))
+
+    def _sampler_args(self, size: int) -> tuple:
+        """The abstract (logits, SamplingBatch) the sampler of `size` rows is lowered from."""
+        logits = jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32)
+        return self._per_dp_rank(logits), self._per_dp_rank(abstract_sampling_batch(size))
+
     def _compile_step(self, bucket: Bucket, capture: CaptureHiddenMode):
-        fb_spec = self._per_dp_rank(self.forward_batch_spec(bucket, capture))
+        args = self._step_args(bucket, capture)
         compiled = self._compiled(
             f"step {bucket.mode.name} {bucket.num_tokens}x{bucket.num_reqs} {capture.name}",
-            lambda: self._step_fns[bucket.mode].lower(*self.step_operands(abstract=True),
-                                                      fb_spec))
+            lambda: self._step_fns[bucket.mode].lower(*args))
         self.executables[(bucket, capture)] = compiled
         return compiled
 
     def _compile_sampler(self, size: int) -> None:
-        spec = self._per_dp_rank(abstract_sampling_batch(size))
-        logits = self._per_dp_rank(
-            jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32))
+        args = self._sampler_args(size)
         self.sample_executables[size] = self._compiled(
-            f"sample {size}", lambda: self._sample_fn.lower(logits, spec))
+            f"sample {size}", lambda: self._sample_fn.lower(*args))
+
+    def export_step(self, bucket: Bucket, capture: CaptureHiddenMode | None = None
+                    ) -> jax.export.Exported:
+        """The step of `bucket` (model, attention backend, KV write) lowered for the target
+        (`lower_only`), with the capture mode start-up would compile it with unless given:
+        `.mlir_module()` is its StableHLO; kernels_pallas.lowering reads the kernels inside.
+        Raises what the lowering raises for a program the target cannot run."""
+        capture = self.capture_for(bucket) if capture is None else capture
+        return lowering.export(self._step_fns[bucket.mode], *self._step_args(bucket, capture),
+                               target=self._lowering_target(), mesh=self.parallel.mesh)
+
+    def export_sampler(self, size: int) -> jax.export.Exported:
+        """The sampler of `size` rows lowered for the target (`lower_only`)."""
+        return lowering.export(self._sample_fn, *self._sampler_args(size),
+                               target=self._lowering_target(), mesh=self.parallel.mesh)
+
+    def _lowering_target(self) -> lowering.Target:
+        if self.lowering_target is None:
+            raise RuntimeError("export_step and export_sampler need a runner from lower_only")
+        return self.lowering_target
 
     def _per_dp_shape(self, *shape) -> tuple:
         return shape if self.parallel.dp_size == 1 else (self.parallel.dp_size, *shape)
@@ -553,6 +617,15 @@ def compile_only(args: EngineArgs, model_config: ModelConfig,
     every bucket compiled: what start-up compiles, for measuring it and for filling a persistent
     compilation cache (`compilation_cache_dir`) before serving."""
     return ModelRunner(args, model_config, compile_monitor, abstract=True)
+
+
+def lower_only(args: EngineArgs, model_config: ModelConfig,
+               target: lowering.Target) -> ModelRunner:
+    """A runner built from the config's shapes alone for `target` (kernels_pallas.lowering), a TPU
+    or GPU this machine need not have: nothing is compiled and no memory is taken; `buckets`,
+    `export_step(bucket)` and `export_sampler(size)` give each program lowered for the target.
+    `args.max_total_tokens` must be set (no device memory to size the KV cache from)."""
+    return ModelRunner(args, model_config, lowering_target=target)
 
 
 @partial(jax.jit, static_argnums=0)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
@@ -46,7 +46,7 @@ class Parallelism:
     Shapes: T tokens, H heads, K KV heads (as the model sees them, after replication), Dh head dim.
     """
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     replicated: NamedSharding       # inputs, metadata, logits
     # [L, dp * num_pages, page_size, 2 * K, Dh]: each DP rank's pages on its mesh row, heads
     # over `tensor`.
@@ -56,7 +56,11 @@ class Parallelism:
 
     @classmethod
     def create(cls, tp_size: int = 1, dp_size: int = 1, devices=None) -> "Parallelism":
-        mesh = make_mesh(tp_size, dp_size, devices)
+        return cls.from_mesh(make_mesh(tp_size, dp_size, devices))
+
+    @classmethod
+    def from_mesh(cls, mesh: Mesh | AbstractMesh) -> "Parallelism":
+        """From a (data, tensor) mesh: concrete, or abstract for lowering only."""
         return cls(mesh=mesh,
                    replicated=NamedSharding(mesh, P()),
                    kv_cache=NamedSharding(mesh, P(None, DATA_AXIS, None, TENSOR_AXIS, None)),

@@ -212,6 +212,13 @@ def cached_checkpoint(preset: str, root: str | Path, **kwargs: Any) -> Path:
 # --- config files -------------------------------------------------------------------------------
 
 
+def hf_config(preset: str, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json `make_checkpoint` writes for `preset` (e.g. for a shapes-only model)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    return _hf_config(PRESETS[preset], dtype)
+
+
 def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
     arch = spec["architecture"]
     config: dict[str, Any] = {

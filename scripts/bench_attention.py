@@ -2,7 +2,9 @@
 
 Prints one JSON line per (scenario, backend) and a table. Achieved bandwidth counts the bytes
 the attention must move: the K/V each sequence can see (sliding window included) plus Q and O.
-The fraction of peak uses a small table of HBM bandwidths by device kind (null when unknown).
+It is compared with the device's copy bandwidth, measured first (a jitted read + write of a
+buffer far larger than the caches: `copy_fraction`), and with a small table of datasheet HBM
+bandwidths by device kind (`peak_fraction`, null when unknown).
 
   python scripts/bench_attention.py                       # backends of this platform
   python scripts/bench_attention.py --interpret           # CPU: add the kernels, interpreted
@@ -24,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels_cpu  # noqa: E402
+from bench_common import measure_memory_bandwidth  # noqa: E402
 from kernels_pallas import ragged_paged_attention  # noqa: E402
 
 # Peak HBM bandwidth in bytes/s, matched as a substring of jax's device_kind (first match).
@@ -142,6 +145,8 @@ def parse_args(argv=None):
     parser.add_argument("--soft-cap", type=float, default=None)
     parser.add_argument("--warmup", type=int, default=1 if on_cpu else 3)
     parser.add_argument("--iters", type=int, default=3 if on_cpu else 20)
+    parser.add_argument("--bandwidth-bytes", type=int, default=(64 if on_cpu else 1024) * 2**20,
+                        help="buffer size of the copy-bandwidth measurement")
     parser.add_argument("--json-out", type=Path, help="also write the records to this file")
     return parser.parse_args(argv)
 
@@ -150,6 +155,9 @@ def main(argv=None):
     args = parse_args(argv)
     device = jax.devices()[0]
     peak = peak_bandwidth(device.device_kind)
+    copy = measure_memory_bandwidth(args.bandwidth_bytes)["copy_bytes_per_s"]
+    print(json.dumps({"device_kind": device.device_kind, "copy_bandwidth_gbps": copy / 1e9,
+                      "buffer_bytes": args.bandwidth_bytes}), flush=True)
     runs = ([(b, args.interpret and jax.default_backend() == "cpu" and b != "reference")
              for b in args.backends] if args.backends
             else default_backends(jax.default_backend(), args.interpret))
@@ -168,16 +176,20 @@ def main(argv=None):
                 num_tokens=int(batch[0].shape[0]), dtype=args.dtype, head_dim=args.head_dim,
                 num_kv_heads=args.num_kv_heads, group=args.group, page_size=args.page_size,
                 median_ms=median * 1e3, min_ms=min(times) * 1e3, bytes=moved,
-                bandwidth_gbps=bandwidth / 1e9, peak_fraction=None if peak is None else bandwidth / peak)
+                bandwidth_gbps=bandwidth / 1e9, copy_bandwidth_gbps=copy / 1e9,
+                copy_fraction=bandwidth / copy,
+                peak_fraction=None if peak is None else bandwidth / peak)
             records.append(record)
             print(json.dumps(record), flush=True)
 
-    print(f"\n{'scenario':<9} {'backend':<18} {'tokens':>7} {'median ms':>10} {'GB/s':>9} {'of peak':>8}")
+    print(f"\ncopy bandwidth (measured): {copy / 1e9:.1f} GB/s")
+    print(f"{'scenario':<9} {'backend':<18} {'tokens':>7} {'median ms':>10} {'GB/s':>9} "
+          f"{'of copy':>8} {'of peak':>8}")
     for r in records:
         name = r["backend"] + (" (interpret)" if r["interpret"] else "")
         fraction = "-" if r["peak_fraction"] is None else f"{r['peak_fraction']:.1%}"
         print(f"{r['scenario']:<9} {name:<18} {r['num_tokens']:>7} {r['median_ms']:>10.3f} "
-              f"{r['bandwidth_gbps']:>9.2f} {fraction:>8}")
+              f"{r['bandwidth_gbps']:>9.2f} {r['copy_fraction']:>8.1%} {fraction:>8}")
     if args.json_out:
         args.json_out.write_text(json.dumps(records, indent=1))
 

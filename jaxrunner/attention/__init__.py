@@ -32,17 +32,19 @@ def resolve_backend_name(name: str, platform: str | None = None) -> str:
 
 
 def create_attention_backend(name: str, config: AttentionConfig, *, interpret: bool = False,
-                             mesh: jax.sharding.Mesh | None = None) -> AttentionBackend:
-    """With a `mesh` of more than one device, the backend runs per shard under `shard_map`."""
+                             mesh: jax.sharding.Mesh | None = None,
+                             platform: str | None = None) -> AttentionBackend:
+    """With a `mesh` of more than one device, the backend runs per shard under `shard_map`.
+    `platform`: the one the programs are lowered for (default: this machine's)."""
     if mesh is not None and mesh.size > 1:
         inner = create_attention_backend(name, local_config(config, mesh.shape[TENSOR_AXIS]),
-                                         interpret=interpret)
+                                         interpret=interpret, platform=platform)
         return ShardedAttentionBackend(inner, config, mesh)
-    name = resolve_backend_name(name)
+    name = resolve_backend_name(name, platform)
     if name == "native":
         return NativeAttentionBackend(config)
     if name == "pallas":
-        return PallasAttentionBackend(config, interpret=interpret)
+        return PallasAttentionBackend(config, interpret=interpret, platform=platform)
     if name == "cpu":
         return CpuAttentionBackend(config)
     raise ValueError(f"unknown attention backend {name!r}; choose native, pallas, cpu or auto")

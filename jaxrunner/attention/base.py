@@ -34,6 +34,7 @@ class AttentionConfig:
     num_layers: int = 1
     sliding_window: int | None = None
     soft_cap: float | None = None
+    kv_dtype: str | None = None  # the KV cache's dtype name, where a backend must check it
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

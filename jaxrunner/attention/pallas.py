@@ -2,7 +2,9 @@
 
 TPU runs the Mosaic kernel and GPU the Pallas GPU kernel, compiled; on a CPU the TPU kernel runs
 in Pallas interpret mode (tests), which `pallas_interpret` must ask for explicitly. The kernels
-pad head dims the hardware wants wider themselves, so models never see the padding.
+pad head dims the hardware wants wider themselves, so models never see the padding. A model the
+kernel cannot serve (head_dim, page_size, KV heads, KV dtype) is refused when the backend is
+built, naming the problem.
 """
 
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.forward_batch import ForwardBatch
 from kernels_pallas import ragged_paged_attention
+from kernels_pallas.ragged_paged_attention import check_supported
 
 _KERNEL_BY_PLATFORM = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
@@ -46,6 +49,9 @@ class PallasAttentionBackend(AttentionBackend):
             raise ValueError(f"the pallas attention backend has no kernel for {platform!r}; use "
                              f"attention_backend='native', or pallas_interpret=True for tests")
         self.interpret = interpret
+        # At start-up, before anything compiles: a shape the kernel cannot take is an error now.
+        check_supported(self.kernel, head_dim=config.head_dim, page_size=config.page_size,
+                        num_kv_heads=config.num_kv_heads, dtype=config.kv_dtype)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> RaggedMetadata:
         return ragged_metadata(forward_batch)

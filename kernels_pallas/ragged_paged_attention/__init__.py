@@ -7,6 +7,7 @@ jnp reference (`reference.py`).
 
 import jax
 
+from kernels_pallas.ragged_paged_attention import gpu, tpu
 from kernels_pallas.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention.tpu import ragged_paged_attention_tpu
@@ -53,6 +54,17 @@ def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+
+
+def check_supported(backend: str, *, head_dim: int, page_size: int, num_kv_heads: int,
+                    dtype=None) -> None:
+    """Raises ValueError naming what the `backend` kernel ("tpu" or "gpu") cannot run, for a
+    start-up check before anything is compiled (the kernels check again when traced)."""
+    if backend == "tpu":
+        tpu.check_supported(head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
+                            dtype=dtype)
+    elif backend == "gpu":
+        gpu.check_supported(head_dim=head_dim, page_size=page_size)
 
 
 def resolve_backend(backend: str) -> str:
@@ -111,6 +123,7 @@ def ragged_paged_attention(
 
 
 __all__ = [
+    "check_supported",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",

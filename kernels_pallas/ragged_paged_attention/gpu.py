@@ -30,6 +30,15 @@ from kernels_pallas.ragged_paged_attention.reference import token_metadata
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+def check_supported(*, head_dim: int, page_size: int) -> None:
+    """Raises ValueError naming what this kernel cannot run: Triton blocks are powers of two, and
+    tensor-core dots want at least 16 along each side."""
+    for name, value in (("head_dim", head_dim), ("page_size", page_size)):
+        if value & (value - 1) or value < 16:
+            raise ValueError(f"the GPU attention kernel needs {name} a power of two >= 16, got "
+                             f"{value}")
+
+
 def _kernel(
     work_ref,  # i32[4]: sequence, first token, end token, position offset of this item
     page_indices_ref,  # i32[max_num_seqs, padded_pages_per_seq]
@@ -150,9 +159,7 @@ def ragged_paged_attention_gpu(
     group = num_q_heads // num_kv_heads
     group_padded = pl.next_power_of_2(group)
     max_num_seqs, pages_per_seq = page_indices.shape
-    for name, value in (("head_dim", head_dim), ("page_size", page_size)):
-        if value & (value - 1) or value < 16:
-            raise ValueError(f"GPU kernel needs {name} a power of two >= 16, got {value}")
+    check_supported(head_dim=head_dim, page_size=page_size)
 
     if block_sizes is None:
         block_sizes = tuning.gpu_block_sizes(

@@ -17,6 +17,13 @@ interpreter cannot run) and no last dimension under 128 lanes:
 - head_dim 64 is packed: the row pair (K_h, V_h) of a token is one 128-lane row [K_h | V_h].
   q is zero-padded to [q | 0], so q . [K | V] = q . K, and p @ [K | V] = [p @ K | p @ V]
   whose right half is the output. No copy of the cache and no lane slicing in the kernel.
+- Mosaic's strided loads take 32-bit data only. A bfloat16 buffer is read as 32-bit words, each
+  holding two adjacent rows (the even one in the low half), and the halves are unpacked: K_h and
+  V_h of a token are one word row; packed [K_h | V_h] rows pair up two heads (so the number of
+  KV heads must be 1 or even).
+
+What Mosaic and the chip would reject is checked from a CPU by lowering this kernel for TPU
+v5e, v6e and v7x and reading the Mosaic module (kernels_pallas/lowering.py, tests/lowering).
 """
 
 import functools
@@ -32,7 +39,78 @@ from kernels_pallas.ragged_paged_attention import tuning
 
 # Finite "minus infinity": exp(MASK - m) is 0 without the NaN of (-inf) - (-inf).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_STAT_LANES = 128  # m and l are kept lane-replicated, the native vreg layout
+_STAT_LANES = tuning.TPU_STAT_LANES  # m and l are kept lane-replicated, the native vreg layout
+_LANES = 128
+DTYPES = ("float32", "bfloat16")
+
+
+def check_supported(*, head_dim: int, page_size: int, num_kv_heads: int, dtype=None) -> None:
+    """Raises ValueError naming what this kernel cannot run (dtype None: any it supports)."""
+    if head_dim not in (64, 128):
+        # Mosaic's strided loads need rows exactly one 128-lane vreg wide.
+        raise ValueError(f"the TPU attention kernel needs head_dim 64 or 128, got {head_dim}")
+    if page_size % 8:
+        raise ValueError(f"the TPU attention kernel needs page_size a multiple of 8, got "
+                         f"{page_size}")
+    if dtype is None:
+        return
+    dtype = jnp.dtype(dtype)
+    if dtype.name not in DTYPES:
+        raise ValueError(f"the TPU attention kernel takes a {' or '.join(DTYPES)} KV cache, "
+                         f"got {dtype.name}")
+    packed = head_dim == 64
+    if dtype.itemsize == 2 and packed and num_kv_heads > 1 and num_kv_heads % 2:
+        raise ValueError(f"the TPU attention kernel with a 16-bit KV cache and head_dim 64 needs "
+                         f"1 or an even number of KV heads (per shard), got {num_kv_heads}")
+    rows_per_page = page_size * (num_kv_heads if packed else 2 * num_kv_heads)
+    tile_rows = 8 * 4 // dtype.itemsize
+    if rows_per_page % tile_rows:
+        # A page is one DMA into the KV buffer, which must start on a whole (rows, 128) tile.
+        raise ValueError(f"the TPU attention kernel with a {dtype.name} KV cache needs page_size "
+                         f"* {rows_per_page // page_size} rows a multiple of {tile_rows}, got "
+                         f"page_size {page_size}")
+
+
+def _word_rows(kv_bufs, slot, first, count: int, stride: int, interpret: bool):
+    """u32[count, 128]: words first, first + stride, ... of the 16-bit buffer kv_bufs[slot] seen
+    as 32-bit words, word i holding rows 2i (low half) and 2i + 1 (high half)."""
+    if interpret:
+        # The interpreter cannot index a bitcast ref; build the same words from the two rows.
+        even = kv_bufs[slot, pl.ds(2 * first, count, stride=2 * stride), :]
+        odd = kv_bufs[slot, pl.ds(2 * first + 1, count, stride=2 * stride), :]
+        return lax.bitcast_convert_type(jnp.stack([even, odd], axis=-1), jnp.uint32)
+    words = kv_bufs.at[slot].bitcast(jnp.uint32)
+    return words[pl.ds(first, count, stride=stride), :]
+
+
+def _half(words, high: bool, dtype):
+    """The low or high bfloat16 halves of u32 words: moved into the top of a float32 (where a
+    bfloat16's bits sit), then rounded back exactly."""
+    bits = words & jnp.uint32(0xFFFF0000) if high else words << 16
+    return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
+
+
+def _load_head(kv_bufs, slot, h: int, *, num_kv_heads: int, kv_tokens: int, packed: bool,
+               interpret: bool):
+    """K and V [kv_tokens, lanes] of KV head h for every token of the buffer (packed: [K | V],
+    returned twice)."""
+    dtype = kv_bufs.dtype
+    if jnp.dtype(dtype).itemsize == 4:
+        rows_per_token = num_kv_heads if packed else 2 * num_kv_heads
+        k_row = h if packed else 2 * h
+        k = kv_bufs[slot, pl.ds(k_row, kv_tokens, stride=rows_per_token), :]
+        if packed:
+            return k, k
+        return k, kv_bufs[slot, pl.ds(k_row + 1, kv_tokens, stride=rows_per_token), :]
+    if not packed:  # rows (K_h, V_h) of a token are one word row
+        words = _word_rows(kv_bufs, slot, h, kv_tokens, num_kv_heads, interpret)
+        return _half(words, False, dtype), _half(words, True, dtype)
+    if num_kv_heads == 1:  # one row per token: no stride
+        kv = kv_bufs[slot, pl.ds(0, kv_tokens), :]
+        return kv, kv
+    words = _word_rows(kv_bufs, slot, h // 2, kv_tokens, num_kv_heads // 2, interpret)
+    kv = _half(words, h % 2 == 1, dtype)
+    return kv, kv
 
 
 def _kernel(
@@ -62,11 +140,11 @@ def _kernel(
     pages_per_seq: int,
     kv_pages: int,
     packed: bool,
+    interpret: bool,
 ):
     q_block = pl.program_id(0)
     num_kv_heads, q_rows, _ = q_ref.shape
     rows_per_page = kv_hbm_ref.shape[1]
-    rows_per_token = rows_per_page // page_size
     kv_tokens = kv_pages * page_size
     block_first_token = q_block * q_tokens
 
@@ -108,14 +186,10 @@ def _kernel(
         k_valid = kv_block * kv_tokens + lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0) < kv_len
 
         for h in range(num_kv_heads):  # static: few heads, and each gets its own refs slice
-            k_row = h if packed else 2 * h
-            k = kv_bufs[slot, pl.ds(k_row, kv_tokens, stride=rows_per_token), :]
+            k, v = _load_head(kv_bufs, slot, h, num_kv_heads=num_kv_heads, kv_tokens=kv_tokens,
+                              packed=packed, interpret=interpret)
             k = jnp.where(k_valid, k, jnp.zeros_like(k))
-            if packed:
-                v = k
-            else:
-                v = kv_bufs[slot, pl.ds(k_row + 1, kv_tokens, stride=rows_per_token), :]
-                v = jnp.where(k_valid, v, jnp.zeros_like(v))
+            v = k if packed else jnp.where(k_valid, v, jnp.zeros_like(v))
             s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * sm_scale
             if soft_cap is not None:
@@ -171,6 +245,33 @@ def _kernel(
         o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
+def _tpu_info() -> pltpu.TpuInfo | None:
+    """The chip lowered for (the abstract mesh's device, or this machine's TPU); None when there is
+    none to budget for (lowering for TPU without either)."""
+    try:
+        return pltpu.get_tpu_info()
+    except ValueError:
+        return None
+
+
+def _check_memory(info, block_sizes, vmem_bytes: int, max_num_seqs: int, pages_per_seq: int,
+                  num_q_blocks: int) -> None:
+    """Refuses blocks that do not fit the chip's VMEM and a page table that does not fit its SMEM
+    (the scalar-prefetch arrays live there whole)."""
+    chip = info.chip_version
+    if vmem_bytes > info.vmem_capacity_bytes:
+        raise ValueError(f"TPU attention blocks {block_sizes} need about {vmem_bytes / 2**20:.0f} "
+                         f"MiB of VMEM; TPU {chip} has {info.vmem_capacity_bytes / 2**20:.0f} MiB")
+    smem_bytes = 4 * (2 * max_num_seqs + 1 + max_num_seqs * pages_per_seq + 2 * num_q_blocks)
+    if smem_bytes > info.smem_capacity_bytes:
+        raise ValueError(
+            f"the TPU attention kernel keeps the page table i32[{max_num_seqs}, {pages_per_seq}] "
+            f"in SMEM: {smem_bytes / 2**10:.0f} KiB with its metadata, over TPU {chip}'s "
+            f"{info.smem_capacity_bytes / 2**10:.0f} KiB. Lower the pages per request "
+            f"(context_length, or a larger page_size) or the requests per step "
+            f"(max_running_requests)")
+
+
 def block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks: int, q_tokens: int):
     """i32[2 * num_q_blocks]: for each query block, the first and end (exclusive) sequence with
     tokens in it (interleaved first, end). Padded sequences are excluded."""
@@ -203,30 +304,40 @@ def ragged_paged_attention_tpu(
 ):
     """Ragged paged attention on TPU (Mosaic); see `ragged_paged_attention` for the contract.
 
-    head_dim must be 64 or a multiple of 128. `block_sizes` overrides the tuned table;
-    `interpret=True` runs the Pallas TPU interpreter (CPU).
+    head_dim must be 64 or 128 and the KV cache float32 or bfloat16 (`check_supported`).
+    `block_sizes` overrides the tuned table; `interpret=True` runs the Pallas TPU interpreter
+    (CPU). Raises ValueError when the blocks or the scalar-prefetched page table would not fit
+    the chip's VMEM or SMEM.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads_x2, _ = kv_cache.shape
     num_kv_heads = num_kv_heads_x2 // 2
     group = num_q_heads // num_kv_heads
     max_num_seqs, pages_per_seq = page_indices.shape
+    check_supported(head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
+                    dtype=kv_cache.dtype)
     packed = head_dim == 64
-    if not packed and head_dim % 128:
-        raise ValueError(f"TPU kernel needs head_dim 64 or a multiple of 128, got {head_dim}")
-    if page_size % 8:
-        raise ValueError(f"TPU kernel needs page_size a multiple of 8, got {page_size}")
-    lanes = 2 * head_dim if packed else head_dim
+    lanes = _LANES  # head_dim 128, or a packed [K | V] row of head_dim 64
     rows_per_token = num_kv_heads if packed else 2 * num_kv_heads
+    itemsize = jnp.dtype(kv_cache.dtype).itemsize
+    info = None if interpret else _tpu_info()
 
     if block_sizes is None:
         block_sizes = tuning.tpu_block_sizes(
             dtype=q.dtype, head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
-            num_tokens=num_tokens, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq)
+            num_tokens=num_tokens, max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq,
+            group=group, vmem_capacity_bytes=info.vmem_capacity_bytes if info else None)
     q_tokens = block_sizes.q_tokens
     kv_pages = min(block_sizes.kv_pages, pages_per_seq)
     num_q_blocks = pl.cdiv(num_tokens, q_tokens)
     q_rows = q_tokens * group
+    vmem_bytes = tuning.tpu_vmem_bytes(num_kv_heads=num_kv_heads, q_rows=q_rows,
+                                       kv_tokens=kv_pages * page_size, lanes=lanes,
+                                       rows_per_token=rows_per_token, itemsize=itemsize)
+    vmem_limit = max(32 * 1024 * 1024, int(1.5 * vmem_bytes))
+    if info is not None:
+        _check_memory(info, block_sizes, vmem_bytes, max_num_seqs, pages_per_seq, num_q_blocks)
+        vmem_limit = min(vmem_limit, info.vmem_capacity_bytes)
 
     # [T, H, D] -> [num_kv_heads, T_padded * group, lanes]; rows of one KV head's group adjacent.
     q_blocked = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -238,13 +349,9 @@ def ragged_paged_attention_tpu(
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
         q_tokens=q_tokens, page_size=page_size, pages_per_seq=pages_per_seq, kv_pages=kv_pages,
-        packed=packed)
+        packed=packed, interpret=interpret)
     q_spec = pl.BlockSpec((num_kv_heads, q_rows, lanes), lambda q_block, *_: (0, q_block, 0))
     kv_buf_rows = kv_pages * page_size * rows_per_token
-    itemsize = jnp.dtype(q.dtype).itemsize
-    vmem_bytes = (2 * kv_buf_rows * lanes * itemsize  # KV double buffer
-                  + 4 * num_kv_heads * q_rows * lanes * itemsize  # q and o, double-buffered
-                  + 4 * num_kv_heads * q_rows * (lanes + 2 * _STAT_LANES))  # f32 accumulators
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -262,7 +369,7 @@ def ragged_paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct(q_blocked.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
-            vmem_limit_bytes=max(32 * 1024 * 1024, int(1.5 * vmem_bytes))),
+            vmem_limit_bytes=vmem_limit),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
     )(kv_lens, page_indices.reshape(-1), cu_q_lens,

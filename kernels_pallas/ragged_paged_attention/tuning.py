@@ -2,9 +2,14 @@
 
 TPU key: (generation, dtype, head_dim, page_size, decode_only). GPU key: (dtype, head_dim,
 decode_only). A miss falls back to the heuristic; the result is always clamped to the shapes of
-the call. The table values are starting points from the usual flash-attention block sizes
-(512-1024 KV tokens per DMA block on TPU, 64 KV tokens per step on GPU); re-measure with
-scripts/bench_attention.py on each generation and edit the rows.
+the call and, on TPU, shrunk to fit the chip's VMEM.
+
+Every row is a guess: none has been measured on a TPU or a GPU yet. They are starting points from
+the usual flash-attention block sizes (512-1024 KV tokens per DMA block on TPU, 64 KV tokens per
+step on GPU). What has been checked, from a CPU, is that every row fits the hardware: the TPU
+kernel lowers for v5e, v6e and v7x with its VMEM and SMEM within the chip's (jax's table of
+them), and the GPU kernel compiles to sm_90 with Triton within Hopper's 227 KiB of shared memory
+(tests/lowering). Re-measure with scripts/bench_attention.py on each generation and edit the rows.
 """
 
 import dataclasses
@@ -55,12 +60,24 @@ _GPU_TABLE = {
 _TPU_KV_BUFFER_BYTES = 8 * 1024 * 1024
 _TPU_GENERATIONS = (("v5 lite", "v5e"), ("v5e", "v5e"), ("v6", "v6e"), ("v5", "v5p"),
                     ("v4", "v4"), ("7", "v7"))
+# The TPU kernel's accumulators keep m and l lane-replicated, 128 lanes each.
+TPU_STAT_LANES = 128
+# Share of the chip's VMEM the heuristic lets the kernel's estimate take: Mosaic keeps its own
+# scratch there too, and the estimate of the kernel's temporaries is rough.
+_TPU_VMEM_SHARE = 0.5
+
+
+def current_device_kind() -> str:
+    """The device kind kernels are built for: the abstract mesh's device when one is set (lowering
+    for a chip this machine does not have), else the default device's."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    return abstract.device_kind if abstract is not None else jax.devices()[0].device_kind
 
 
 def tpu_generation(device_kind: str | None = None) -> str:
     """'TPU v5 lite' -> 'v5e', 'TPU v6 lite' -> 'v6e', 'TPU7x' -> 'v7'; '' when unknown."""
     if device_kind is None:
-        device_kind = jax.devices()[0].device_kind
+        device_kind = current_device_kind()
     kind = device_kind.lower().replace("tpu", "").strip()
     for prefix, generation in _TPU_GENERATIONS:
         if kind.startswith(prefix):
@@ -76,20 +93,50 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def tpu_vmem_bytes(*, num_kv_heads: int, q_rows: int, kv_tokens: int, lanes: int,
+                   rows_per_token: int, itemsize: int) -> int:
+    """VMEM the TPU kernel needs for `q_rows` query rows per KV head and `kv_tokens` per KV block:
+    the q and output blocks (double-buffered by the pipeline), the two KV DMA buffers, the f32
+    accumulators, and (an estimate) three f32 [q_rows, kv_tokens] temporaries of the scores."""
+    blocks = 2 * 2 * num_kv_heads * q_rows * lanes * itemsize
+    kv_buffers = 2 * kv_tokens * rows_per_token * lanes * itemsize
+    stats = 4 * num_kv_heads * q_rows * (lanes + 2 * TPU_STAT_LANES)
+    scores = 3 * 4 * q_rows * kv_tokens
+    return blocks + kv_buffers + stats + scores
+
+
 def tpu_block_sizes(*, dtype, head_dim: int, page_size: int, num_kv_heads: int, num_tokens: int,
-                    max_num_seqs: int, pages_per_seq: int,
-                    device_kind: str | None = None) -> TpuBlockSizes:
-    """Block sizes for the TPU kernel: table row if any, else heuristic, then clamped."""
+                    max_num_seqs: int, pages_per_seq: int, group: int = 1,
+                    device_kind: str | None = None,
+                    vmem_capacity_bytes: int | None = None) -> TpuBlockSizes:
+    """Block sizes for the TPU kernel: table row if any, else heuristic, then clamped, and with
+    `vmem_capacity_bytes` halved until the kernel's estimate takes at most half of it."""
     decode_only = num_tokens <= max_num_seqs
     dtype_name = jax.numpy.dtype(dtype).name
     key = (tpu_generation(device_kind), dtype_name, head_dim, page_size, decode_only)
     q_tokens, kv_tokens = _TPU_TABLE.get(key, (16 if decode_only else 64, 512))
     kv_pages = max(1, kv_tokens // page_size)
     # Keep both KV buffers within budget: bytes per page = page_size * 2 * kv_heads * head_dim.
-    page_bytes = page_size * 2 * num_kv_heads * max(head_dim, 64) * jax.numpy.dtype(dtype).itemsize
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    page_bytes = page_size * 2 * num_kv_heads * max(head_dim, 64) * itemsize
     kv_pages = max(1, min(kv_pages, _TPU_KV_BUFFER_BYTES // (2 * page_bytes), pages_per_seq))
     # Multiples of 16 keep q_tokens * group a multiple of the bf16 sublane tile.
     q_tokens = max(16, min(_round_up(q_tokens, 16), _round_up(num_tokens, 16)))
+    if vmem_capacity_bytes is not None:
+        packed = head_dim == 64
+        lanes, rows_per_token = (128, num_kv_heads) if packed else (head_dim, 2 * num_kv_heads)
+
+        def vmem(q_tokens, kv_pages):
+            return tpu_vmem_bytes(num_kv_heads=num_kv_heads, q_rows=q_tokens * group,
+                                  kv_tokens=kv_pages * page_size, lanes=lanes,
+                                  rows_per_token=rows_per_token, itemsize=itemsize)
+
+        budget = _TPU_VMEM_SHARE * vmem_capacity_bytes
+        while vmem(q_tokens, kv_pages) > budget and (q_tokens > 16 or kv_pages > 1):
+            if q_tokens > 16:
+                q_tokens = max(16, _round_up(q_tokens // 2, 16))
+            else:
+                kv_pages = max(1, kv_pages // 2)
     return TpuBlockSizes(q_tokens=q_tokens, kv_pages=kv_pages)
 
 

@@ -29,6 +29,8 @@ KERNEL_CASES = [
     Case(seqs=((5, 90), (1, 70)), group=8, num_kv_heads=1, head_dim=64, page_size=64,
          dtype="bfloat16", sliding_window=20, soft_cap=10.0, q_scale=4.0),
     Case(seqs=((1, 21), (4, 9)), group=3, padded_seqs=2),  # a group that is not a power of 2
+    # bfloat16 [K | V] rows of two heads share a 32-bit word (the TPU kernel unpacks them)
+    Case(seqs=((1, 37), (6, 22)), group=2, head_dim=64, dtype="bfloat16"),
 ]
 
 # Small blocks so a few tokens already span several query blocks, KV blocks and KV splits.

@@ -1,0 +1,131 @@
+"""The engine's whole step (model, pallas attention, KV write) and sampler lowered for TPU and CUDA
+from this CPU, through the runner's own step construction (`model_runner.lower_only`).
+
+A lowering failure anywhere in the step (a sharding, an op a platform lacks, a kernel shape) fails
+here. The kernels inside are checked as in test_kernels.py: the Mosaic kernel against the chip,
+the Triton kernel compiled to PTX.
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxrunner.buckets import Bucket
+from jaxrunner.config import EngineArgs
+from jaxrunner.forward_mode import ForwardMode
+from jaxrunner.model_runner import lower_only
+from kernels_pallas import lowering
+from kernels_pallas.lowering import H200, TPU_V6E, TPU_V7X
+from models.config import ModelConfig
+from models.random_checkpoint import hf_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from model_configs import LLAMA3_8B  # noqa: E402 (after the path above)
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+KERNEL_CALL = {"tpu": lowering.TPU_CUSTOM_CALL, "cuda": lowering.TRITON_CUSTOM_CALL}
+SMALL = dict(model_path="unused", dtype="bfloat16", attention_backend="pallas",
+             max_total_tokens=4096, max_running_requests=8, max_prefill_tokens=64,
+             compilation_cache_dir=None, show_progress=False)
+DECODE = Bucket(ForwardMode.DECODE, 8, 8)
+EXTEND = Bucket(ForwardMode.EXTEND, 64, 8)
+
+
+def _model(preset: str) -> ModelConfig:
+    if preset == "llama3-8b":
+        return ModelConfig.from_dict(LLAMA3_8B)
+    return ModelConfig.from_dict(hf_config(preset, "bfloat16"))
+
+
+def _check_kernels(exported, target) -> None:
+    """One attention kernel in the step (the layers are one scanned body), and it fits."""
+    assert lowering.custom_call_targets(exported) == [KERNEL_CALL[target.platform]]
+    if target.platform == "tpu":
+        [kernel] = lowering.mosaic_kernels(exported)
+        assert lowering.mosaic_problems(kernel, target) == []
+    else:
+        [kernel] = lowering.triton_kernels(exported)
+        assert kernel.name == "ragged_paged_attention_gpu"
+
+
+@pytest.mark.parametrize("target", [TPU_V6E, H200], ids=str)
+@pytest.mark.parametrize("preset, tp_size", [("tiny-llama", 1), ("tiny-qwen3", 2)])
+def test_decode_and_extend_steps_and_sampler_lower(target, preset, tp_size):
+    """tiny-qwen3 (q/k norm, 8 query heads over 2 KV heads, tied embeddings) on two devices:
+    the attention runs per tensor-parallel shard under shard_map."""
+    runner = lower_only(EngineArgs(**SMALL, tp_size=tp_size), _model(preset), target)
+    assert runner.attention_backend_name == "pallas" and runner.platform == target.platform
+    assert DECODE in runner.buckets and EXTEND in runner.buckets
+    for bucket in (DECODE, EXTEND):
+        exported = runner.export_step(bucket)
+        assert exported.platforms == (target.platform,)
+        _check_kernels(exported, target)
+        # The KV cache, the first input after the weights, is still donated (updated in place).
+        assert _donated_inputs(exported) == {len(jax.tree.leaves(runner.state))}
+    sampler = runner.export_sampler(max(b.num_reqs for b in runner.buckets))
+    assert sampler.platforms == (target.platform,)
+
+
+def _donated_inputs(exported) -> set[int]:
+    """Indices of the main function's arguments that alias an output or are donated."""
+    text = exported.mlir_module()
+    main = text[text.index("func.func public @main("):]
+    args = main[:main.index("\n")].split("%arg")[1:]
+    return {int(a.split(":")[0]) for a in args
+            if "tf.aliasing_output" in a or "jax.buffer_donor" in a}
+
+
+def test_the_gpu_step_kernel_compiles_to_ptx():
+    pytest.importorskip("triton")
+    runner = lower_only(EngineArgs(**SMALL), _model("tiny-llama"), H200)
+    [kernel] = lowering.triton_kernels(runner.export_step(DECODE))
+    binary = lowering.compile_triton(kernel, H200)
+    assert binary.shared_bytes <= H200.shared_memory_bytes
+
+
+def test_an_8b_model_at_the_engines_tpu_defaults_lowers_and_fits():
+    """Llama-3-8B's shapes with the limits a TPU start-up picks (256 requests, 8192 prefill
+    tokens): the largest decode and extend buckets, whose blocks and page table are the largest."""
+    args = EngineArgs(model_path="unused", dtype="bfloat16", max_total_tokens=1 << 20,
+                      compilation_cache_dir=None, show_progress=False)
+    runner = lower_only(args, _model("llama3-8b"), TPU_V7X)
+    assert (runner.args.max_running_requests, runner.args.max_prefill_tokens) == (256, 8192)
+    for mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
+        bucket = max(b for b in runner.buckets if b.mode == mode)
+        _check_kernels(runner.export_step(bucket), TPU_V7X)
+
+
+def test_a_long_context_caps_the_tpu_default_batch_to_the_smem_and_an_explicit_one_is_refused():
+    """Llama-3.1's 131072-token context in pages of 16: 8192 pages per request, so SMEM (1 MiB)
+    holds the page table of 24 requests, not 256."""
+    args = dict(model_path="unused", dtype="bfloat16", max_total_tokens=1 << 20,
+                context_length=131072, compilation_cache_dir=None, show_progress=False)
+    runner = lower_only(EngineArgs(**args), _model("llama3-8b"), TPU_V6E)
+    assert runner.args.max_running_requests == 24
+    decode = max(b for b in runner.buckets if b.mode == ForwardMode.DECODE)
+    _check_kernels(runner.export_step(decode), TPU_V6E)
+
+    runner = lower_only(EngineArgs(**args, max_running_requests=256), _model("llama3-8b"),
+                        TPU_V6E)
+    decode = max(b for b in runner.buckets if b.mode == ForwardMode.DECODE)
+    with pytest.raises(ValueError, match=r"page table i32\[256, 8192\] in SMEM.*"
+                                         r"max_running_requests"):
+        runner.export_step(decode)
+
+
+def test_lowering_for_another_platform_needs_max_total_tokens():
+    args = EngineArgs(**dict(SMALL, max_total_tokens=None))
+    with pytest.raises(ValueError, match="needs max_total_tokens"):
+        lower_only(args, _model("tiny-llama"), TPU_V6E)
+
+
+def test_a_model_the_kernel_cannot_serve_is_refused_when_the_backend_is_built():
+    cfg = _model("tiny-llama")
+    with pytest.raises(ValueError, match="page_size a power of two >= 16"):
+        lower_only(EngineArgs(**dict(SMALL, page_size=8)), cfg, H200)
+    # The TPU kernel takes it: a page of 8 tokens is 16 packed bfloat16 rows (2 KV heads of 64).
+    runner = lower_only(EngineArgs(**dict(SMALL, page_size=8)), cfg, TPU_V6E)
+    _check_kernels(runner.export_step(DECODE), TPU_V6E)
