@@ -38,8 +38,7 @@ class ExpertLocation:
     def logical_counts(self, physical_counts: np.ndarray) -> np.ndarray:
         """[..., Lm, P] counts per slot -> [..., Lm, E] counts per logical expert (replicas
         summed), under the current placement."""
-        onehot = np.eye(self.num_experts, dtype=np.int64)[self.physical_to_logical]  # [Lm, P, E]
-        return np.einsum("...lp,lpe->...le", physical_counts.astype(np.int64), onehot)
+        return logical_counts(physical_counts, self.physical_to_logical, self.num_experts)
 
     def rank_loads(self, physical_counts: np.ndarray) -> np.ndarray:
         """[..., Lm, P] counts per slot -> [..., Lm, ep_size] counts per expert-parallel rank
@@ -62,6 +61,13 @@ class ExpertLocation:
             raise ValueError(f"a placement names experts outside [0, {self.num_experts})")
         self.tables(placement)  # every expert needs a slot
         return placement.astype(np.int32)
+
+
+def logical_counts(physical_counts: np.ndarray, placement: np.ndarray,
+                   num_experts: int) -> np.ndarray:
+    """[..., Lm, P] counts per slot, placement i32[Lm, P] -> [..., Lm, E] per logical expert."""
+    onehot = np.eye(num_experts, dtype=np.int64)[placement]                   # [Lm, P, E]
+    return np.einsum("...lp,lpe->...le", np.asarray(physical_counts, np.int64), onehot)
 
 
 def _move_slots(weights, layer, source):

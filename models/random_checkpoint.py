@@ -99,8 +99,8 @@ PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
 
 # Mixture-of-experts presets: 8 experts, top-2. Experts are written per expert (as transformers 4
 # and 5.24 write them) unless `expert_layout` is "fused" (transformers 5's in-memory form, which
-# it also loads). tiny-qwen3-moe keeps layer 1 dense (`mlp_only_layers`), so its layers form
-# three runs of two kinds; it leaves the top-2 weights unnormalised, Mixtral renormalises them.
+# it also loads). tiny-qwen3-moe keeps layer 0 dense (`mlp_only_layers`), so its layers form
+# two runs of two kinds; it leaves the top-2 weights unnormalised, Mixtral renormalises them.
 _MOE = dict(num_experts=8, num_experts_per_tok=2)
 PRESETS["tiny-qwen3-moe"] = dict(
     _COMMON, **_MOE,
@@ -109,7 +109,7 @@ PRESETS["tiny-qwen3-moe"] = dict(
     num_attention_heads=8,
     moe_intermediate_size=128,
     norm_topk_prob=False,
-    mlp_only_layers=[1],
+    mlp_only_layers=[0],
     rope_form="v4",
     rope=dict(rope_type="default", rope_theta=1e6),
 )

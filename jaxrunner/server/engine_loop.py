@@ -121,6 +121,16 @@ class EngineLoop:
             raise
         return group
 
+    async def call(self, fn):
+        """Runs `fn(engine)` on the engine thread between steps and returns its result (or
+        raises its exception): engine methods other than requests (e.g. the expert
+        distribution recorder's) must not race with a step."""
+        if not self.alive:
+            raise EngineError(self.error or "the engine loop is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", (fn, future)))
+        return await future
+
     def abort(self, group: RequestGroup) -> None:
         """Stops the group's unfinished requests (a client went away); frees their KV pages."""
         if not group.finished:
@@ -170,6 +180,12 @@ class EngineLoop:
                 self._add(group, out)
             elif cmd == "abort_all":
                 self._abort_all(out)
+            elif cmd == "call":
+                fn, future = group
+                try:
+                    out.append((future.set_result, fn(self.engine)))
+                except Exception as e:  # the caller gets it; the engine keeps serving
+                    out.append((future.set_exception, e))
             elif cmd == "abort":
                 for req in group.reqs:
                     if not req.finished:
@@ -239,6 +255,8 @@ class EngineLoop:
                 break
             if cmd == "add":
                 self._send([(group.accepted.set_exception, error)])
+            elif cmd == "call":
+                self._send([(group[1].set_exception, error)])
 
     def _send(self, out: list) -> None:
         if out:

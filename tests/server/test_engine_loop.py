@@ -3,6 +3,7 @@ spinning, and a failing step that fails its requests instead of hanging them."""
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -135,3 +136,26 @@ def test_a_failing_step_fails_its_requests_and_later_submissions():
             await loop.submit([RequestSpec([1], {"max_new_tokens": 1})])
 
     _run(engine, body)
+
+
+def test_call_runs_on_the_engine_thread_between_steps_and_returns_or_raises():
+    """`EngineLoop.call` (the expert distribution recorder's routes): the result comes back, an
+    exception reaches the caller only, and requests keep running around it."""
+    engine = FakeEngine()
+
+    def fail(e):
+        raise ValueError("no experts here")
+
+    async def body(loop):
+        group = await loop.submit([RequestSpec([1], {"max_new_tokens": 4})])
+        thread = await loop.call(lambda e: threading.current_thread())
+        with pytest.raises(ValueError, match="no experts here"):
+            await loop.call(fail)
+        steps = await loop.call(lambda e: e.steps)
+        deltas = await _collect(group)
+        return thread, steps, deltas
+
+    thread, steps, deltas = _run(engine, body)
+    assert thread is not threading.main_thread()
+    assert 0 <= steps <= 4
+    assert sum(len(d.token_ids) for d in deltas) == 4
