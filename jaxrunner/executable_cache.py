@@ -65,18 +65,21 @@ def fingerprint(*parts) -> str:
 class ExecutableCache:
     """`get(name)` -> a loaded executable or None; `put(name, compiled)` stores one."""
 
-    def __init__(self, directory: str | Path, key: str):
+    def __init__(self, directory: str | Path, key: str, devices=None):
         self.directory = Path(directory) / "jaxrunner-executables" / key
+        # The devices the executables run on, in mesh order (default: all of the backend's):
+        # loading one compiled for a sub-mesh (TP 4 of 8 devices) onto all aborts the process.
+        self.devices = None if devices is None else list(devices)
         self.hits = self.misses = 0
 
     @classmethod
-    def create(cls, directory: str | None, *parts) -> "ExecutableCache | None":
+    def create(cls, directory: str | None, *parts, devices=None) -> "ExecutableCache | None":
         """None (no cache) without a directory, in multi-process runs (each process must load
         the same program; JAX's own cache serves those), and wherever JAX's own persistent cache
         is on (whoever turned it on): what it loads must not be written here."""
         if not directory or jax.process_count() > 1 or jax.config.jax_compilation_cache_dir:
             return None
-        return cls(directory, fingerprint(*parts))
+        return cls(directory, fingerprint(*parts), devices)
 
     def _path(self, name: str) -> Path:
         return self.directory / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".pkl")
@@ -88,7 +91,8 @@ class ExecutableCache:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            executable = deserialize_and_load(payload, in_tree, out_tree)
+            executable = deserialize_and_load(payload, in_tree, out_tree,
+                                              execution_devices=self.devices)
         except Exception as e:  # a truncated file, a jaxlib that cannot read it: compile again
             logger.warning("executable cache entry %s unusable (%s); compiling it again", path, e)
             self.misses += 1

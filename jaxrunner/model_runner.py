@@ -276,7 +276,8 @@ class ModelRunner:
                                   out_shardings=io_sharding)
         self.compiler_options = defaults.COMPILER_OPTIONS.get(self.device.platform)
         self.executable_cache = ExecutableCache.create(
-            self.args.compilation_cache_path, self._program_fingerprint())
+            self.args.compilation_cache_path, self._program_fingerprint(),
+            devices=self.parallel.mesh.devices.flat)
         self.executables: dict[tuple[Bucket, CaptureHiddenMode], object] = {}
         self.sample_executables: dict[int, object] = {}
         sizes = sample_batch_sizes(self.buckets)
