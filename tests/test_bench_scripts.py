@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench_common  # noqa: E402
+import bench_moe  # noqa: E402
 import bench_offline_throughput  # noqa: E402
 import bench_one_batch  # noqa: E402
 import plot_one_batch  # noqa: E402
@@ -142,3 +143,21 @@ def test_plot_one_batch_writes_a_png(one_batch_json, tmp_path):
     _, out = one_batch_json
     png = plot_one_batch.main([str(out), "--out", str(tmp_path / "plot.png")])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_moe_layer_and_balance():
+    """The layer rows (tiny shapes, one token count) and the balancedness study: a rebalance
+    with redundant slots evens a Zipf-skewed load, measured on a fresh sample."""
+    args = bench_moe.parse_args(["--tokens", "16", "--reps", "1", "--hidden", "32",
+                                 "--moe-intermediate", "16", "--skip-e2e"])
+    shapes = bench_moe.layer_shapes(args)
+    assert shapes == {"hidden": 32, "moe_intermediate": 16, "num_experts": 8, "top_k": 2}
+    (row,) = bench_moe.bench_layer(args, shapes)
+    assert row["tokens"] == 16 and row["useful_gflop"] == 2 * 16 * 2 * 3 * 32 * 16 / 1e9
+    assert all(row[k] > 0 for k in ("blocked_ms", "ragged_dot_ms", "dense_reference_ms",
+                                    "flop_floor_ms"))
+    rows = bench_moe.bench_balance(args)
+    assert [(r["ep_size"], r["redundant"]) for r in rows] == [(4, 0), (4, 4), (8, 0), (8, 8)]
+    for r in rows:
+        assert 0 < r["balancedness_before"] < r["balancedness_after"] <= 1, r
+        assert r["max_over_mean_after"] < r["max_over_mean_before"], r
