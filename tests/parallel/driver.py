@@ -60,7 +60,9 @@ def main(spec: dict) -> dict:
                             compiles_after_warmup=engine.compile_monitor.count - warm,
                             num_devices=engine.runner.parallel.num_devices,
                             kv_cache_shape=list(engine.runner.token_to_kv_pool.layer_shape),
-                            jax_devices=jax.device_count(), **extra))
+                            jax_devices=jax.device_count(),
+                            executable_cache_hits=getattr(engine.runner.executable_cache,
+                                                          "hits", 0), **extra))
         if rebalance:
             results[-1].update(rebalance_report(engine, spec["skewed_prompts"], params),
                                rebalance=True)

@@ -13,6 +13,8 @@ from tests.parallel.conftest import run_driver
 
 EP_RUNS = [{"tp_size": 1}, {"tp_size": 2, "ep_size": 2}, {"tp_size": 4, "ep_size": 4},
            {"tp_size": 8, "ep_size": 8}, {"dp_size": 2, "tp_size": 2, "ep_size": 4},
+           # Again: its executables (4 of the 8 devices) come from the executable cache.
+           {"tp_size": 4, "ep_size": 4},
            # EPLB: 4 redundant slots (12 = 3 per rank), rebalanced on demand.
            {"tp_size": 4, "ep_size": 4, "ep_num_redundant_experts": 4, "rebalance": True}]
 # Every prompt the same token over and over: every token of a layer picks the same experts.
@@ -36,6 +38,12 @@ def test_expert_parallel_matches_one_device_without_compiles(ep_runs):
     for run in ep_runs[1:]:
         assert run["output_ids"] == base["output_ids"], _name(run)
         assert run["compiles_after_warmup"] == 0, _name(run)
+
+
+def test_a_sub_mesh_engine_loads_its_executables_from_the_cache(ep_runs):
+    first, again = ep_runs[2], ep_runs[5]
+    assert first["ep_size"] == again["ep_size"] == 4 and first["executable_cache_hits"] == 0
+    assert again["executable_cache_hits"] > 0 and again["output_ids"] == first["output_ids"]
 
 
 def _shape(hlo_type: str) -> tuple:
