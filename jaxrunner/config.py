@@ -12,6 +12,8 @@ ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
+MOE_RUNNER_BACKENDS = ("auto", "blocked", "ragged_dot")
+EXPERT_DISTRIBUTION_RECORDER_MODES = ("stat", "per_pass")
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,28 @@ class EngineArgs:
     nnodes: int = 1
     node_rank: int = 0
 
+    # Mixture of experts (models/moe.py, models/moe_parallel.py). `ep_size` splits the expert
+    # slots over devices: 1 (each expert split as a dense MLP is), tp_size (the attention
+    # devices), or dp_size * tp_size (across DP attention ranks).
+    ep_size: int = 1
+    # Expert slots beyond the logical experts, holding copies of busy ones (EPLB); the slots
+    # (experts + these) must split evenly over ep_size.
+    ep_num_redundant_experts: int = 0
+    # The experts' grouped matmul: "auto" = "ragged_dot" (jax.lax.ragged_dot) on TPU/GPU,
+    # "blocked" (block-padded groups in a scan; XLA's CPU ragged_dot is far slower) on CPU.
+    moe_runner_backend: str = "auto"
+    # Rebalance the experts over their slots from the routed-token counts every
+    # `eplb_rebalance_num_iterations` forward passes (Engine.rebalance_experts on demand).
+    enable_eplb: bool = False
+    eplb_rebalance_num_iterations: int = 1000
+    # Expert distribution recorder (Engine.start/stop/dump_expert_distribution_record): "stat"
+    # sums the counts over the recording, "per_pass" keeps each forward pass's counts (the last
+    # `expert_distribution_recorder_buffer_size`). Dumps go to
+    # `expert_distribution_recorder_dir` (None: the system's temporary directory).
+    expert_distribution_recorder_mode: str = "stat"
+    expert_distribution_recorder_buffer_size: int = 1000
+    expert_distribution_recorder_dir: str | None = None
+
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
@@ -125,7 +149,19 @@ class EngineArgs:
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
-        for name in ("page_size", "tp_size", "dp_size", "nnodes"):
+        if self.moe_runner_backend not in MOE_RUNNER_BACKENDS:
+            raise ValueError(f"moe_runner_backend must be one of {MOE_RUNNER_BACKENDS}, got "
+                             f"{self.moe_runner_backend!r}")
+        if self.expert_distribution_recorder_mode not in EXPERT_DISTRIBUTION_RECORDER_MODES:
+            raise ValueError(f"expert_distribution_recorder_mode "
+                             f"{self.expert_distribution_recorder_mode!r} is not implemented; "
+                             f"modes: {EXPERT_DISTRIBUTION_RECORDER_MODES}")
+        if not (isinstance(self.ep_num_redundant_experts, int)
+                and self.ep_num_redundant_experts >= 0):
+            raise ValueError(f"ep_num_redundant_experts must be a non-negative integer, got "
+                             f"{self.ep_num_redundant_experts!r}")
+        for name in ("page_size", "tp_size", "dp_size", "nnodes", "ep_size",
+                     "eplb_rebalance_num_iterations", "expert_distribution_recorder_buffer_size"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size"):
@@ -170,6 +206,8 @@ class EngineArgs:
         if algorithm in ("EAGLE", "EAGLE3", "STANDALONE") and not self.speculative_draft_model_path:
             raise ValueError(f"speculative_algorithm {algorithm!r} needs "
                              f"speculative_draft_model_path (the draft checkpoint)")
+        if self.enable_eplb:
+            raise ValueError("enable_eplb is not implemented with speculative decoding")
         if algorithm == "NGRAM" and self.speculative_draft_model_path:
             raise ValueError("speculative_algorithm 'NGRAM' uses no draft model; do not pass "
                              "speculative_draft_model_path")

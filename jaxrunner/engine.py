@@ -278,6 +278,37 @@ class Engine(EngineLifecycle):
                 "req_slots_free": sum(s.req_to_token_pool.num_free_slots for s in ranks),
                 "num_requests_waiting": len(self.scheduler.waiting)}
 
+    # ---- mixture of experts ----
+
+    def _expert_tools(self):
+        if self.args.speculative_algorithm is not None:
+            raise ValueError("expert distribution recording and EPLB are not implemented with "
+                             "speculative decoding (verify steps do not keep routed counts)")
+        if self.worker.expert_recorder is None:
+            raise ValueError(f"{self.model_config.architecture} has no experts: expert "
+                             f"distribution recording and EPLB need a MoE model")
+        return self.worker.expert_recorder, self.worker.eplb_manager
+
+    def start_expert_distribution_record(self) -> None:
+        """Starts recording routed-token counts per (MoE layer, expert slot) (SGLang's name);
+        compiles nothing."""
+        self._expert_tools()[0].start()
+
+    def stop_expert_distribution_record(self) -> None:
+        self._expert_tools()[0].stop()
+
+    def dump_expert_distribution_record(self, path: str | None = None) -> dict:
+        """The recording as a dict (`expert_distribution_recorder_mode` "stat": counts summed,
+        "per_pass": per forward pass; physical slots and logical experts), also written as JSON
+        to `path` or a new file in `expert_distribution_recorder_dir` (the dict's "path")."""
+        return self._expert_tools()[0].dump(path)
+
+    def rebalance_experts(self) -> dict:
+        """Rebalances the experts over their slots and EP ranks now (EPLB) from the routed
+        counts since the last rebalance, moving expert weights between devices; compiles
+        nothing. Returns what it did (balancedness = mean / max load per rank)."""
+        return self._expert_tools()[1].rebalance()
+
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (False) while requests are in the engine."""
         return self.scheduler.flush_cache()

@@ -32,12 +32,14 @@ from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.engine_lifecycle import check_memory_tags
 from jaxrunner.executable_cache import ExecutableCache
+from jaxrunner.expert_location import ExpertLocation, ExpertMover
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.kv_cache import TokenToKVPool, available_kv_memory, kv_bytes_per_token
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_weights import ModelWeights
-from jaxrunner.parallel import DATA_AXIS, TENSOR_AXIS, Parallelism, data_parallel_step
+from jaxrunner.parallel import (DATA_AXIS, TENSOR_AXIS, Parallelism, check_ep_size,
+                                data_parallel_step, expert_axes, manual_specs)
 from jaxrunner.sampler import SamplingBatch, abstract_sampling_batch, sample
 from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.spec_info import VerifyInput
@@ -45,6 +47,7 @@ from jaxrunner.speculative.steps import captured_hidden, verify_step
 from kernels_pallas import lowering
 from models.config import ModelConfig
 from models.load_format import abstract_state, load_state, resolve_load_format
+from models.moe_parallel import MoeRunner
 from models.registry import model_class
 from models.sharding import ShardedPlacer, sharded_model_config
 
@@ -56,8 +59,11 @@ _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", 
                          "disallow_compile_after_warmup", "compilation_cache_dir", "random_seed",
                          "schedule_policy", "schedule_conservativeness", "disable_radix_cache",
                          "disable_overlap_schedule", "enable_mixed_chunk", "chunked_prefill_size",
-                         "load_format", "enable_weights_cpu_backup", "weight_version")
-
+                         "load_format", "enable_weights_cpu_backup", "weight_version",
+                         "enable_eplb", "eplb_rebalance_num_iterations",
+                         "expert_distribution_recorder_mode",
+                         "expert_distribution_recorder_buffer_size",
+                         "expert_distribution_recorder_dir")
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +71,8 @@ _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", 
 class LogitsOutput:
     next_token_logits: jax.Array  # f32[R, V]: logits of each request's last token
     hidden_states: jax.Array      # [T, D] with CaptureHiddenMode.FULL, [R, D] with LAST, else [0, D]
+    # i32[MoE layers, P]: (token, choice) pairs routed to each expert slot ([0, P] if dense)
+    expert_counts: jax.Array
 
 
 class ForwardModeNotImplemented(NotImplementedError):
@@ -83,22 +91,30 @@ class SpeculativePlan:
     draft_kv_bytes_per_token: int  # the draft's KV, on the same pages as the target's
 
 
-def _forward_step(graphdef, backend, aux_layers, state, kv_cache, fb: ForwardBatch):
+def _forward_step(graphdef, backend, moe_runner, aux_layers, state, kv_cache, fb: ForwardBatch):
     """The compiled step: the inputs still on the device and the positions, the decoder over all
-    tokens, logits at each request's last token. With hidden-state capture, the hidden states
-    after the final norm, or the inputs of `aux_layers` side by side (EAGLE-3's)."""
+    tokens, logits at each request's last token, the MoE layers' routed counts. With
+    hidden-state capture, the hidden states after the final norm, or the inputs of `aux_layers`
+    side by side (EAGLE-3's)."""
     fb = fb.prepare()
     model = nnx.merge(graphdef, state)
     capture = fb.capture_hidden_mode
-    hidden, kv_cache, aux = model(fb, kv_cache, backend,
-                                  aux_layers=aux_layers if capture.need_capture() else ())
+    hidden, kv_cache, aux, expert_counts = model(
+        fb, kv_cache, backend, moe_runner,
+        aux_layers=aux_layers if capture.need_capture() else ())
     last_hidden = hidden[fb.last_token_indices]
     captured = captured_hidden(hidden, aux)
     if capture.is_last():
         captured = captured[fb.last_token_indices]
     elif not capture.is_full():
         captured = captured[:0]
-    return LogitsOutput(model.compute_logits(last_hidden), captured), kv_cache
+    return (LogitsOutput(model.compute_logits(last_hidden), captured, expert_counts),
+            kv_cache)
+
+
+def _accumulate_counts(total, counts):
+    """total i32[Lm, P] + one step's counts ([Lm, P], or [dp, Lm, P] under DP attention)."""
+    return total + counts.reshape((-1,) + total.shape).sum(0)
 
 
 def _sample_padded(logits, sampling: SamplingBatch, *, num_rows: int):
@@ -193,11 +209,14 @@ class ModelRunner:
 
     def load_model(self) -> None:
         """The weights in their shards, from `load_format` (models/load_format.py)."""
-        cfg = self.model_config
-        self.dtype = jnp.dtype(cfg.resolve_dtype(self.args.dtype))
-        # The model as sharded: KV heads repeated up to tp_size (models/sharding.py).
-        self.sharded_config = sharded_model_config(cfg, self.parallel.tp_size)
-        place = ShardedPlacer.for_model(self.parallel.mesh, cfg)
+        cfg, args, parallel = self.model_config, self.args, self.parallel
+        self.dtype = jnp.dtype(cfg.resolve_dtype(args.dtype))
+        # The model as sharded: KV heads repeated up to tp_size, expert slots for redundant
+        # experts (models/sharding.py).
+        self.sharded_config = sharded_model_config(cfg, parallel.tp_size,
+                                                   args.ep_num_redundant_experts)
+        self.moe_runner = self._moe_runner(self.sharded_config)
+        place = ShardedPlacer.for_model(parallel.mesh, cfg, self.moe_runner.expert_axes)
         model_cls = model_class(self.sharded_config)
         if self.abstract:
             self.load_format = None
@@ -219,6 +238,26 @@ class ModelRunner:
     def state(self):
         """The weights the steps read (an nnx State of sharded arrays)."""
         return self.weights.state
+
+    def _moe_runner(self, cfg: ModelConfig) -> MoeRunner:
+        """How the MoE layers run here (models/moe_parallel.py); checks ep_size."""
+        args, parallel = self.args, self.parallel
+        if not cfg.is_moe:
+            if args.ep_size > 1:
+                raise ValueError(f"ep_size={args.ep_size} needs a MoE model; {cfg.architecture} "
+                                 f"has no experts")
+            return MoeRunner()
+        axes = expert_axes(args.ep_size, parallel.tp_size, parallel.dp_size)
+        check_ep_size(cfg.num_physical_experts, args.ep_size, cfg.num_experts)
+        split_experts = not axes and parallel.tp_size > 1
+        if split_experts and cfg.moe_intermediate_size % parallel.tp_size:
+            raise ValueError(f"tp_size ({parallel.tp_size}) must divide moe_intermediate_size "
+                             f"({cfg.moe_intermediate_size}) when ep_size is 1")
+        backend = args.moe_runner_backend
+        if backend == "auto":
+            backend = "blocked" if self.device.platform == "cpu" else "ragged_dot"
+        return MoeRunner(grouped_matmul=backend, mesh=parallel.mesh, expert_axes=axes,
+                         tensor_axis=TENSOR_AXIS if split_experts else None)
 
     def configure_kv_cache_dtype(self) -> None:
         self.kv_cache_dtype = (self.dtype if self.args.kv_cache_dtype == "auto"
@@ -323,6 +362,8 @@ class ModelRunner:
                 pool.shutdown(cancel_futures=True)
                 raise
         progress.close()
+        if self.sharded_config.is_moe:
+            self._compile_expert_programs(self._io_sharding)
         if not self.abstract:
             jax.block_until_ready(self.token_to_kv_pool.kv_cache)  # the zeros, written meanwhile
         self.warm_compile_count = self.compile_monitor.count
@@ -353,6 +394,37 @@ class ModelRunner:
         self._sample_fn = jax.jit(sample_fn, in_shardings=io_sharding,
                                   out_shardings=io_sharding)
 
+    def _compile_expert_programs(self, io_sharding) -> None:
+        """A MoE model's small programs, compiled with the steps: summing the routed counts
+        (the expert distribution recorder and EPLB) and moving experts between slots."""
+        cfg = self.sharded_config
+        self.expert_location = ExpertLocation(cfg, self.args.ep_size)
+        total = jax.ShapeDtypeStruct((len(cfg.moe_layers), cfg.num_physical_experts), jnp.int32,
+                                     sharding=self.parallel.replicated)
+        counts = jax.ShapeDtypeStruct(self._per_dp_shape(*total.shape), jnp.int32,
+                                      sharding=io_sharding)
+        accumulate = jax.jit(_accumulate_counts, donate_argnums=(0,),
+                             out_shardings=self.parallel.replicated)
+        self._accumulate_counts = self._compiled(
+            "expert counts", lambda: accumulate.lower(total, counts))
+        self.expert_mover = (None if self.abstract else ExpertMover(
+            self.expert_location, self.state, self.parallel.replicated, self._compiled))
+
+    def zero_expert_counts(self) -> jax.Array:
+        """i32[MoE layers, P] zeros on the device: a start for `accumulate_expert_counts`."""
+        cfg = self.sharded_config
+        return jax.device_put(np.zeros((len(cfg.moe_layers), cfg.num_physical_experts), np.int32),
+                              self.parallel.replicated)
+
+    def accumulate_expert_counts(self, total: jax.Array, counts: jax.Array) -> jax.Array:
+        """total + one step's `LogitsOutput.expert_counts`, on the device (`total` is donated)."""
+        return self._accumulate_counts(total, counts)
+
+    def set_expert_placement(self, physical_to_logical: np.ndarray) -> int:
+        """Moves the experts to a new placement i32[MoE layers, P] between steps (no compile);
+        returns the number of slots that changed."""
+        return self.expert_mover.apply(self.state, physical_to_logical)
+
     def _program_fingerprint(self) -> tuple:
         """What the compiled programs depend on, for the executable cache's key."""
         def describe(x):
@@ -380,14 +452,18 @@ class ModelRunner:
     def step_function(self, mode: ForwardMode):
         """(weights, kv_cache, fb) -> (output, kv_cache) compiled for `mode`'s buckets."""
         if mode == ForwardMode.TARGET_VERIFY:
-            return partial(verify_step, self.graphdef, self.attn_backend, self.aux_layers,
-                           self.speculative.capture)
-        return partial(_forward_step, self.graphdef, self.attn_backend, self.aux_layers)
+            return partial(verify_step, self.graphdef, self.attn_backend, self.moe_runner,
+                           self.aux_layers, self.speculative.capture)
+        return partial(_forward_step, self.graphdef, self.attn_backend, self.moe_runner,
+                       self.aux_layers)
 
     def jit_step(self, mode: ForwardMode):
         step = self.step_function(mode)
         if self.parallel.dp_size > 1:
-            step = data_parallel_step(step, self.parallel.mesh)
+            # Expert weights split over `data` (EP across DP ranks) enter each rank split.
+            state_specs = (manual_specs(self.state, DATA_AXIS)
+                           if DATA_AXIS in self.moe_runner.expert_axes else None)
+            step = data_parallel_step(step, self.parallel.mesh, state_specs)
         return jax.jit(step, donate_argnums=(1,),
                        out_shardings=(self._io_sharding, self.parallel.kv_cache))
 

@@ -72,8 +72,11 @@ class ModelWeights:
                       for path, v in self._flat}
         # Names and shapes from the checkpoint's own config (KV heads not repeated).
         _, stored = abstract_state(model_cls, checkpoint_config, dtype, placer)
-        self.tensors = {name: TensorSlot(*slot) for name, slot in tensor_shapes(
-            {p: tuple(v.shape) for p, v in nnx.to_flat_state(stored)}).items()}
+        # A MoE model's expert tensors have no name table yet: its weights are not updated
+        # (`_check_dense`).
+        self.tensors = {} if getattr(config, "is_moe", False) else {
+            name: TensorSlot(*slot) for name, slot in tensor_shapes(
+                {p: tuple(v.shape) for p, v in nnx.to_flat_state(stored)}).items()}
         self.released = False
         self._backup: dict | None = None
         self._missing: set[tuple] = set()   # (path, layer) holding zeros since a resume
@@ -92,6 +95,7 @@ class ModelWeights:
         """Replaces every parameter from the checkpoint in `model_dir`; returns the format used.
         Raises ValueError (FileNotFoundError for a missing directory or file) naming the
         problem, before anything changes, when the checkpoint does not fit the model."""
+        self._check_dense()
         self._check_resident()
         load_format = resolve_load_format(load_format, model_dir)
         if load_format == "dummy":
@@ -130,6 +134,7 @@ class ModelWeights:
         name, numpy or JAX array in the checkpoint's layout). Returns the names updated.
         Raises ValueError naming every unknown name, repeated name or wrong shape, before
         anything changes."""
+        self._check_dense()
         self._check_resident()
         items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         by_path: dict[tuple, dict] = defaultdict(dict)
@@ -203,6 +208,7 @@ class ModelWeights:
         """Tensor `name` as the checkpoint holds it (PyTorch's [out, in] for linear layers,
         the checkpoint's KV heads), its first `truncate_size` rows. Raises ValueError for a
         name the model does not have."""
+        self._check_dense()
         slot = self.tensors.get(name)
         if slot is None:
             raise ValueError(f"{name!r} is not a tensor of this model ({self._name_hint(name)})")
@@ -276,6 +282,11 @@ class ModelWeights:
     def _commit(self) -> None:
         """The state the steps read, rebuilt over the (same) variables: same tree structure."""
         self.state = nnx.from_flat_state(self._flat)
+
+    def _check_dense(self) -> None:
+        if getattr(self.config, "is_moe", False):
+            raise ValueError(f"weight updates and get_weights_by_name are not implemented for "
+                             f"MoE models ({self.config.architecture})")
 
     def _check_resident(self) -> None:
         if self.released:

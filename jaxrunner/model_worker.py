@@ -7,7 +7,9 @@ overlapped scheduling the next batch is launched before that: its tokens still o
 read from the previous result (`ModelWorkerBatch.input_token_src` rows of its sampled tokens).
 
 Every path that runs a batch goes through these verbs: the scheduler, DP attention
-(`jaxrunner/dp_attention.py`), the benchmarks and the tests.
+(`jaxrunner/dp_attention.py`), the benchmarks and the tests. For a MoE model the worker also
+hands each step's routed counts to the expert distribution recorder and to EPLB, which may move
+experts between steps (`jaxrunner/eplb.py`).
 """
 
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ import numpy as np
 from jaxrunner.buckets import Bucket
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
+from jaxrunner.eplb import EPLBManager
+from jaxrunner.expert_distribution import ExpertDistributionRecorder
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
@@ -58,8 +62,18 @@ class ModelWorker:
                  compile_monitor: CompileMonitor | None = None, speculative=None):
         """`speculative`: a `model_runner.SpeculativePlan` for the target of speculative
         decoding (`speculative.spec_worker.SpeculativeWorker` builds this worker)."""
-        self.model_runner = ModelRunner(args, model_config, compile_monitor,
-                                        speculative=speculative)
+        self.model_runner = runner = ModelRunner(args, model_config, compile_monitor,
+                                                 speculative=speculative)
+        self.expert_recorder = self.eplb_manager = None
+        if runner.sharded_config.is_moe:
+            args = runner.args
+            self.expert_recorder = ExpertDistributionRecorder(
+                runner, args.expert_distribution_recorder_mode,
+                args.expert_distribution_recorder_buffer_size,
+                args.expert_distribution_recorder_dir)
+            self.eplb_manager = EPLBManager(
+                runner, args.eplb_rebalance_num_iterations if args.enable_eplb else None,
+                on_placement_change=self.expert_recorder.flush_placement)
 
     # ---- what the scheduler needs to know ----
 
@@ -110,4 +124,8 @@ class ModelWorker:
         runner = self.model_runner
         logits_output = runner.forward(forward_batch)
         tokens, logprobs = runner.sample(logits_output, sampling)
+        if self.eplb_manager is not None:
+            # The recorder first: a rebalance after this pass must not relabel its counts.
+            self.expert_recorder.on_forward_pass(logits_output.expert_counts)
+            self.eplb_manager.on_forward_pass(logits_output.expert_counts)
         return GenerationBatchResult(tokens, logprobs, logits_output, num_reqs)

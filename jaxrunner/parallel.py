@@ -7,7 +7,8 @@ sharding object (a new one would mean a new executable). Weights carry their own
 
 `tp_size` shards attention heads and MLP columns over `tensor`; `dp_size` (DP attention) gives each
 data-parallel rank its own requests and KV pages, the rank's slice of the batch and KV cache lying
-on its row of the mesh.
+on its row of the mesh. `ep_size` splits MoE expert slots over `tensor` or over both axes
+(`expert_axes`).
 """
 
 from dataclasses import dataclass
@@ -95,13 +96,46 @@ def check_tp_size(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
                          f"divide one another, so each shard holds whole KV heads")
 
 
-def data_parallel_step(step: Callable, mesh: Mesh) -> Callable:
+def expert_axes(ep_size: int, tp_size: int, dp_size: int) -> tuple[str, ...]:
+    """The mesh axes `ep_size` splits the expert slots over: none (1), `tensor` (tp_size), or
+    `data` and `tensor` (dp_size * tp_size, DP attention). Raises ValueError otherwise."""
+    if ep_size == 1:
+        return ()
+    if ep_size == tp_size:
+        return (TENSOR_AXIS,)
+    if dp_size > 1 and ep_size == dp_size * tp_size:
+        return (DATA_AXIS, TENSOR_AXIS)
+    raise ValueError(f"ep_size={ep_size} is not supported with tp_size={tp_size} and "
+                     f"dp_size={dp_size}: ep_size must be 1, tp_size or dp_size * tp_size "
+                     f"(experts split over the attention devices)")
+
+
+def check_ep_size(num_slots: int, ep_size: int, num_experts: int) -> None:
+    """Raises ValueError when the expert slots cannot be split `ep_size` ways."""
+    if num_slots % ep_size:
+        raise ValueError(f"ep_size ({ep_size}) must divide the physical experts: {num_experts} "
+                         f"experts + {num_slots - num_experts} redundant = {num_slots} slots")
+
+
+def manual_specs(tree, axis: str):
+    """The PartitionSpecs of `tree`'s arrays (NamedSharding) restricted to `axis`: what a
+    shard_map manual over `axis` alone takes them as (e.g. expert weights split over `data`)."""
+    def over_axis(x):
+        spec = getattr(getattr(x, "sharding", None), "spec", P())
+        return P(*[axis if part is not None and axis in np.atleast_1d(part) else None
+                   for part in spec])
+    return jax.tree.map(over_axis, tree)
+
+
+def data_parallel_step(step: Callable, mesh: Mesh, state_specs=None) -> Callable:
     """`step(state, kv_cache, fb) -> (out, kv_cache)` run once per DP rank (DP attention).
 
     The batch's arrays carry a leading [dp] axis and the KV cache [L, dp * num_pages, ...] each
     rank's pages; each rank gets its row of the batch and its own pages (its page ids are local),
     while the weights stay whole over `data` and GSPMD keeps sharding them over `tensor` inside
     (the shard_map is manual over `data` only). The outputs come back stacked: [dp, ...].
+    `state_specs` (default: all whole over `data`) names weights split over `data` (expert
+    parallelism across ranks; `manual_specs`).
     """
     def per_rank(state, kv_cache, fb):
         fb = jax.tree.map(lambda x: x[0], fb)
@@ -109,6 +143,7 @@ def data_parallel_step(step: Callable, mesh: Mesh) -> Callable:
         return jax.tree.map(lambda x: x[None], out), kv_cache
 
     kv_spec = P(None, DATA_AXIS)
-    return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), kv_spec, P(DATA_AXIS)),
+    state_spec = P() if state_specs is None else state_specs
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(state_spec, kv_spec, P(DATA_AXIS)),
                          out_specs=(P(DATA_AXIS), kv_spec), axis_names={DATA_AXIS},
                          check_vma=False)

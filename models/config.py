@@ -6,6 +6,11 @@ from), so the model code reads plain fields instead of re-deriving Hugging Face 
 
 Both config forms in the wild are accepted: transformers 4 (`rope_theta` + `rope_scaling`) and
 transformers 5 (`rope_parameters`).
+
+Mixture-of-experts models (Qwen3-MoE, Mixtral) add the expert fields: `num_experts` routed experts
+of `moe_intermediate_size`, `num_experts_per_tok` chosen per token by a softmax router,
+renormalised over the chosen ones when `norm_topk_prob`. Qwen3-MoE may keep some layers dense
+(`mlp_only_layers`, `decoder_sparse_step`); `layer_runs` groups consecutive layers of one kind.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Hugging Face's own defaults for keys that configs may leave out.
@@ -28,8 +36,11 @@ _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
 # HF Mistral applies a 4096 sliding window when the key is absent (an explicit null disables it).
 _MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
-# HF Qwen3Config defaults head_dim to 128 rather than hidden/heads.
+# HF Qwen3Config defaults head_dim to 128 rather than hidden/heads (Qwen3MoeConfig does not).
 _QWEN3_DEFAULT_HEAD_DIM = 128
+# HF Qwen3MoeConfig's defaults for its expert keys (Mixtral's config names them differently).
+_QWEN3_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                           norm_topk_prob=False, decoder_sparse_step=1)
 
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -95,6 +106,15 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Layers [start, start + num_layers), all dense or all MoE."""
+
+    start: int
+    num_layers: int
+    moe: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """What the model needs from a Hugging Face checkpoint's config.json.
 
@@ -120,6 +140,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str
+    # Mixture of experts (num_experts 0: a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    # Expert slots the model holds: num_experts plus redundant copies for load balancing (EPLB);
+    # set by the engine (models/sharding.py), never by config.json.
+    num_physical_experts: int = 0
 
     def resolve_dtype(self, name: str) -> str:
         """The weights dtype an engine `dtype` argument names: "auto" is the checkpoint's
@@ -132,6 +162,35 @@ class ModelConfig:
     def o_proj_bias(self) -> bool:
         """Whether o_proj has a bias (Qwen2 biases q/k/v only)."""
         return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF Qwen3-MoE's rule (Mixtral: every layer): sparse unless listed in
+        `mlp_only_layers`, and then every `decoder_sparse_step`-th layer."""
+        return (self.is_moe and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the MoE layers, in order."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    @property
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        """Maximal runs of consecutive layers of one kind (dense MLP or MoE), in order: each run
+        is one stacked module scanned on its own, so compile cost grows with the number of
+        runs, not with depth (one run for dense models and for uniform MoE models)."""
+        runs: list[LayerRun] = []
+        for i in range(self.num_hidden_layers):
+            moe = self.is_moe_layer(i)
+            if runs and runs[-1].moe == moe:
+                runs[-1] = dataclasses.replace(runs[-1], num_layers=runs[-1].num_layers + 1)
+            else:
+                runs.append(LayerRun(start=i, num_layers=1, moe=moe))
+        return tuple(runs)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -169,7 +228,7 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         head_dim = d.get("head_dim")
         if head_dim is None:
-            qwen3 = arch == "Qwen3ForCausalLM"
+            qwen3 = arch == "Qwen3ForCausalLM"  # not Qwen3-MoE: hidden / heads
             head_dim = _QWEN3_DEFAULT_HEAD_DIM if qwen3 else d["hidden_size"] // heads
 
         if arch == "Qwen2ForCausalLM":
@@ -181,7 +240,10 @@ class ModelConfig:
 
         if arch == "MistralForCausalLM":
             sliding_window = d.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW)
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and d.get("use_sliding_window"):
+        elif arch == "MixtralForCausalLM":
+            sliding_window = d.get("sliding_window")  # HF Mixtral: none unless given
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and d.get(
+                "use_sliding_window"):
             sliding_window = d.get("sliding_window")
         else:
             sliding_window = None
@@ -191,6 +253,7 @@ class ModelConfig:
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
 
         return cls(
+            **_moe_fields(arch, d),
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -203,13 +266,48 @@ class ModelConfig:
             max_position_embeddings=int(d["max_position_embeddings"]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings")),
             attention_bias=attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=None if sliding_window is None else int(sliding_window),
             rope=RopeConfig.from_hf_config(d),
             eos_token_ids=tuple(dict.fromkeys(eos)),  # merge, keep order, drop duplicates
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=str(dtype).removeprefix("torch."),
         )
+
+
+def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The expert fields of a MoE config (none for a dense one), checked."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    if arch == "MixtralForCausalLM":
+        # Mixtral's experts are its MLPs: intermediate_size wide, top-k always renormalised.
+        fields = dict(num_experts=d.get("num_local_experts", 8),
+                      num_experts_per_tok=d.get("num_experts_per_tok", 2),
+                      moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True,
+                      mlp_only_layers=(), decoder_sparse_step=1)
+    else:
+        def get(key):
+            value = d.get(key)
+            return _QWEN3_MOE_DEFAULTS[key] if value is None else value
+        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
+        experts = d.get("num_experts", d.get("num_local_experts"))
+        fields = dict(num_experts=_QWEN3_MOE_DEFAULTS["num_experts"] if experts is None
+                      else experts,
+                      num_experts_per_tok=get("num_experts_per_tok"),
+                      moe_intermediate_size=get("moe_intermediate_size"),
+                      norm_topk_prob=bool(get("norm_topk_prob")),
+                      mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+                      decoder_sparse_step=get("decoder_sparse_step"))
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "decoder_sparse_step"):
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise ValueError(f"num_experts_per_tok ({fields['num_experts_per_tok']}) exceeds the "
+                         f"number of experts ({fields['num_experts']})")
+    fields["num_physical_experts"] = fields["num_experts"]
+    return fields
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,15 +1,20 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in flax nnx.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the MoE Qwen3-MoE, Mixtral) in
+flax nnx.
 
 The three families differ by two switches read from the config: Qwen2 adds biases to the q/k/v
 projections (`attention_bias`), Qwen3 RMS-normalises q and k per head (`qk_norm`). Attribute
 names follow Hugging Face's, so the checkpoint mapping in `models/loader.py` stays a short table.
+A MoE model's layers hold a `SparseMoeBlock` (models/moe.py) as their `mlp`.
 Shapes: T tokens, D hidden, H query heads, K KV heads, Dh head dim, F intermediate, V vocab,
-L layers.
+L layers, P physical expert slots.
 
-The decoder layers are one `DecoderLayer` whose parameters carry a leading [L] axis, run by
+The decoder layers are stacked modules whose parameters carry a leading [L] axis, run by
 `jax.lax.scan`: the compiled step holds one layer's program whatever the depth, so compiling a
-32-layer model costs what an 8-layer one does. The KV cache of every layer is one array that the
-scan carries as loop state (`LlamaForCausalLM.__call__`).
+32-layer model costs what an 8-layer one does. A model whose layers are not all of one kind
+(Qwen3-MoE's `mlp_only_layers`) has one stacked module per run of consecutive layers of a kind
+(`ModelConfig.layer_runs`), each scanned in turn: compile cost grows with the runs, not the
+depth. The KV cache of every layer is one array that the scans carry as loop state
+(`LlamaForCausalLM.__call__`).
 """
 
 import jax
@@ -18,7 +23,9 @@ from flax import nnx
 
 from jaxrunner.attention import AttentionBackend
 from jaxrunner.forward_batch import ForwardBatch
-from models.config import ModelConfig
+from models.config import LayerRun, ModelConfig
+from models.moe import SparseMoeBlock
+from models.moe_parallel import MoeRunner
 from models.rope import apply_rope_cos_sin, inv_frequencies, rope_cos_sin
 
 
@@ -88,34 +95,42 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, *, moe: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = SparseMoeBlock(cfg, dtype, rngs) if moe else MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, layer, fb, backend, meta):
+    def __call__(self, x, cos, sin, kv_cache, layer, fb, backend, meta, valid, moe_runner):
+        """-> (x, kv_cache, i32[P] routed choices per expert slot; None for a dense layer)."""
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, fb,
                                      backend, meta)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoeBlock):
+            h, counts = self.mlp(h, valid, moe_runner)
+            return x + h, kv_cache, counts
+        return x + self.mlp(h), kv_cache, None
 
 
 class LlamaModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
-        self.layers = stacked_layers(cfg, dtype, rngs)
+        # One stacked module per run of layers of one kind: layers[r] holds the layers of
+        # cfg.layer_runs[r].
+        self.layers = nnx.List([stacked_layers(cfg, run, dtype, rngs)
+                                for run in cfg.layer_runs])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
-    """`cfg.num_hidden_layers` decoder layers as one module whose parameters have a leading [L]
-    axis (each layer initialised from its own split of `rngs`)."""
-    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+def stacked_layers(cfg: ModelConfig, run: LayerRun, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """The `run.num_layers` decoder layers of a run as one module whose parameters have a
+    leading [L] axis (each layer initialised from its own split of `rngs`)."""
+    @nnx.split_rngs(splits=run.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-        return DecoderLayer(cfg, dtype, rngs)
+        return DecoderLayer(cfg, dtype, rngs, moe=run.moe)
 
     return create(rngs)
 
@@ -130,44 +145,55 @@ class LlamaForCausalLM(nnx.Module):
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
     def __call__(self, fb: ForwardBatch, kv_cache: jax.Array, backend: AttentionBackend,
-                 aux_layers: tuple[int, ...] = ()):
+                 moe_runner: MoeRunner = MoeRunner(), aux_layers: tuple[int, ...] = ()):
         """kv_cache [L, pages, page_size, 2K, Dh] -> (hidden states [T, D] after the final norm,
         the updated KV cache, the residual stream entering each of `aux_layers` [A, T, D] or
-        None without them: EAGLE-3's draft reads three of them).
+        None without them (EAGLE-3's draft reads three of them), i32[number of MoE layers, P]:
+        the (token, choice) pairs each MoE layer routed to each expert slot, padding excluded;
+        [0, P] for a dense model).
 
-        The scan's loop state is (activations, the cache viewed as [L * pages, ...]: a free
+        Each scan's loop state is (activations, the cache viewed as [L * pages, ...]: a free
         reshape); its loop data are each layer's parameters and index. Layer l writes its new
         K/V into, and attends over, the rows of its own pages (`AttentionBackend.page_offset`),
-        so the cache is updated in place through the whole loop and never copied (the caller
-        donates it; `tests/test_engine.py` checks the compiled HLO).
+        so the cache is updated in place through every loop and never copied (the caller
+        donates it; `tests/test_engine.py` checks the compiled HLO). `moe_runner` says how the
+        experts run (grouped matmul, expert parallelism).
         """
         meta = backend.init_forward_metadata(fb)
         # inv_freq is a trace-time constant: the checkpoint does not carry it.
         inv_freq = inv_frequencies(self.config.rope, self.config.head_dim)
         cos, sin = rope_cos_sin(fb.positions, inv_freq)
         x = fb.embed_inputs(self.model.embed_tokens)
-        graphdef, layers_state = nnx.split(self.model.layers)
-        num_layers = kv_cache.shape[0]
-        wanted = jnp.asarray(aux_layers, jnp.int32)
-
-        def body(carry, layer_inputs):
-            x, flat_cache, aux = carry
-            state, index = layer_inputs
-            if aux_layers:
-                # Written only at the layers asked for (the rows naming this layer).
-                hit = wanted == index
-                aux = jax.lax.cond(jnp.any(hit),
-                                   lambda a: jnp.where(hit[:, None, None], x[None], a),
-                                   lambda a: a, aux)
-            layer = nnx.merge(graphdef, state)
-            x, flat_cache = layer(x, cos, sin, flat_cache, index, fb, backend, meta)
-            return (x, flat_cache, aux), None
-
+        valid = jnp.arange(fb.num_tokens) < jnp.sum(fb.extend_seq_lens)  # padding routes nowhere
         flat = kv_cache.reshape(-1, *kv_cache.shape[2:])
+        wanted = jnp.asarray(aux_layers, jnp.int32)
         aux = jnp.zeros((len(aux_layers),) + x.shape, x.dtype) if aux_layers else None
-        (x, flat, aux), _ = jax.lax.scan(
-            body, (x, flat, aux), (layers_state, jnp.arange(num_layers, dtype=jnp.int32)))
-        return self.model.norm(x), flat.reshape(kv_cache.shape), aux
+        counts = []
+        for run, layers in zip(self.config.layer_runs, self.model.layers):
+            graphdef, layers_state = nnx.split(layers)
+
+            def body(carry, layer_inputs, graphdef=graphdef):
+                x, flat_cache, aux = carry
+                state, index = layer_inputs
+                if aux_layers:
+                    # Written only at the layers asked for (the rows naming this layer).
+                    hit = wanted == index
+                    aux = jax.lax.cond(jnp.any(hit),
+                                       lambda a: jnp.where(hit[:, None, None], x[None], a),
+                                       lambda a: a, aux)
+                layer = nnx.merge(graphdef, state)
+                x, flat_cache, layer_counts = layer(x, cos, sin, flat_cache, index, fb, backend,
+                                                    meta, valid, moe_runner)
+                return (x, flat_cache, aux), layer_counts
+
+            index = run.start + jnp.arange(run.num_layers, dtype=jnp.int32)
+            (x, flat, aux), run_counts = jax.lax.scan(body, (x, flat, aux), (layers_state, index))
+            if run.moe:
+                counts.append(run_counts)
+        num_slots = self.config.num_physical_experts
+        expert_counts = (jnp.concatenate(counts) if counts
+                         else jnp.zeros((0, num_slots), jnp.int32))
+        return self.model.norm(x), flat.reshape(kv_cache.shape), aux, expert_counts
 
     def compute_logits(self, hidden):
         """hidden [N, D] -> float32 logits [N, V]."""

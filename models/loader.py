@@ -1,11 +1,14 @@
 """Hugging Face checkpoint -> nnx model: the name mapping as data, and the loading loop.
 
-Each parameter of the model names the checkpoint tensors it is made of. A parameter of the
-stacked decoder layers (path `model.layers.<rest>`, shape [L, ...]) is made of one tensor per
-layer, `model.layers.{i}.<rest>`; every other parameter of one tensor. The leaf names differ by a
-four-row table (`LEAF_RULES`). Tensors are read when their parameter is placed, one layer at a
-time, through `place`, so a sharding can be attached per parameter (tensor parallelism) and no
-host ever holds more than one parameter.
+Each parameter of the model names the checkpoint tensors it is made of. The decoder layers are
+stacked modules, one per run of layers of one kind (`ModelConfig.layer_runs`): a parameter of
+run r (path `model.layers.r.<rest>`, shape [L_r, ...]) is made of one tensor per layer,
+`model.layers.{start_r + i}.<rest>`; every other parameter of one tensor. The leaf names differ
+by a four-row table (`LEAF_RULES`); MoE expert weights [L, P, ...] are made of one tensor per
+(layer, expert) or of fused ones (models/moe_checkpoint.py). Tensors are read when their
+parameter is placed, one layer (and expert) at a time, through `place`, so a sharding can be
+attached per parameter (tensor and expert parallelism) and no host ever holds more than one
+parameter.
 """
 
 import dataclasses
@@ -18,6 +21,8 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.moe import ExpertMap, replica_tables, trivial_placement
+from models.moe_checkpoint import ExpertLayout, is_expert_param
 from models.weights import CheckpointReader
 
 # our leaf name -> (Hugging Face leaf name, checkpoint tensor -> our layout). Linear kernels are
@@ -40,11 +45,14 @@ def is_stacked(path: tuple) -> bool:
 
 
 def hf_name(path: tuple, layer: int | None = None) -> str:
-    """('model', 'layers', 'self_attn', 'q_proj', 'kernel'), 3 ->
-    'model.layers.3.self_attn.q_proj.weight'."""
+    """('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel'), 3 ->
+    'model.layers.3.self_attn.q_proj.weight' (`layer` counts from the first layer of the model,
+    the run index in the path is dropped)."""
     hf_leaf, _ = LEAF_RULES[path[-1]]
     parts = [str(p) for p in path[:-1]]
     if layer is not None:
+        if isinstance(path[2], int):
+            del parts[2]
         parts.insert(2, str(layer))
     return ".".join(parts + [hf_leaf])
 
@@ -58,25 +66,38 @@ class ParamSource:
     path: tuple
     shape: tuple[int, ...]                    # the parameter as the model holds it
     num_layers: int | None                    # L for a stacked parameter, else None
-    name: Callable[[int | None], str]         # the checkpoint tensor behind read(layer)
-    raw: Callable[[int | None], np.ndarray]   # that tensor in the model's layout, unchecked
+    name: Callable[..., str]                  # the checkpoint tensor behind read(layer[, slot])
+    raw: Callable[..., np.ndarray]            # that tensor in the model's layout, unchecked
     tensor_shape: Callable[[str], tuple]      # a checkpoint tensor's shape, for errors
     model_dir: str = ""
+    # P for an expert parameter [L, P, ...], read a layer and a slot at a time.
+    num_slots: int | None = None
+    # Every checkpoint tensor the parameter is made of (default: name(layer) for each layer).
+    tensors: tuple[str, ...] | None = None
 
-    def read(self, layer: int | None) -> np.ndarray:
-        value = self.raw(layer)
-        expected = self.shape[1:] if self.num_layers is not None else self.shape
+    def read(self, layer: int | None, slot: int | None = None) -> np.ndarray:
+        args = (layer,) if self.num_slots is None else (layer, slot)
+        value = self.raw(*args)
+        expected = self.shape[(self.num_layers is not None) + (self.num_slots is not None):]
         if tuple(value.shape) != tuple(expected):
-            name = self.name(layer)
+            name = self.name(*args)
             raise ValueError(f"tensor {name!r} in {self.model_dir} has shape "
                              f"{self.tensor_shape(name)} (placed as {tuple(value.shape)}), "
                              f"expected {tuple(expected)} from config.json")
         return value
 
+    def names(self) -> list[str]:
+        """The checkpoint tensors this parameter is read from."""
+        if self.tensors is not None:
+            return list(self.tensors)
+        if self.num_layers is None:
+            return [self.name(None)]
+        return [self.name(layer) for layer in range(self.num_layers)]
+
     def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "ParamSource":
         """The same source with `fn` applied to each tensor (a placement transform)."""
         raw = self.raw
-        return dataclasses.replace(self, raw=lambda layer: fn(raw(layer)))
+        return dataclasses.replace(self, raw=lambda *args: fn(raw(*args)))
 
 
 def default_place(source: ParamSource, dtype) -> jax.Array:
@@ -91,9 +112,18 @@ def read_full(source: ParamSource, dtype, index: tuple = ()) -> np.ndarray:
         return np.asarray(source.read(None)[index], dtype=dtype)
     layer_index, rest = (index[0], index[1:]) if index else (slice(None), ())
     layers = range(source.num_layers)[layer_index]
+    if source.num_slots is not None:  # only this shard's experts are read
+        slot_index, rest = (rest[0], rest[1:]) if rest else (slice(None), ())
+        slots = range(source.num_slots)[slot_index]
+
+        def part_of(layer):
+            return np.stack([np.asarray(source.read(layer, s)[rest], dtype) for s in slots])
+    else:
+        def part_of(layer):
+            return source.read(layer)[rest]
     out = None
     for i, layer in enumerate(layers):
-        part = source.read(layer)[rest]
+        part = part_of(layer)
         if out is None:
             out = np.empty((len(layers),) + part.shape, dtype)
         out[i] = part
@@ -106,8 +136,9 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
 
     `place(source, dtype)` turns each `ParamSource` into the parameter's device array, e.g.
     `models.sharding.ShardedPlacer` for tensor parallelism; each parameter keeps the dtype the
-    model gave it (`dtype` for weights). Checkpoint tensors named in `ignore` are allowed and
-    not read.
+    model gave it (`dtype` for weights). The MoE layers' expert maps (`models.moe.ExpertMap`,
+    not in the checkpoint) are placed too, as int32, with the start-up placement. Checkpoint
+    tensors named in `ignore` are allowed and not read.
 
     Raises ValueError naming any missing, unexpected or mis-shaped tensor.
     """
@@ -115,28 +146,35 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
     graphdef, state = nnx.split(abstract)
     params = dict(nnx.to_flat_state(state))
     with CheckpointReader(model_dir) as ckpt:
-        sources = checkpoint_sources(ckpt, {p: tuple(v.shape) for p, v in params.items()}, cfg,
-                                     ignore)
+        shapes = {p: tuple(v.shape) for p, v in params.items()}
+        maps = frozenset(p for p, v in params.items() if isinstance(v, ExpertMap))
+        sources = checkpoint_sources(ckpt, shapes, cfg, ignore, expert_maps=maps)
         # Each parameter keeps the dtype the model gave it (e.g. EAGLE-3's integer d2t).
-        for path, value in place_all(sources, {p: v.dtype for p, v in params.items()}, place):
+        dtypes = {p: np.int32 if p in maps else v.dtype for p, v in params.items()}
+        for path, value in place_all(sources, dtypes, place):
             params[path].set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(params))
 
 
 def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
-                       ignore: tuple[str, ...] = ()) -> list[tuple[tuple, ParamSource]]:
+                       ignore: tuple[str, ...] = (), expert_maps: frozenset = frozenset()
+                       ) -> list[tuple[tuple, ParamSource]]:
     """The `ParamSource` of every parameter (path -> shape as the model holds it) in an open
-    checkpoint. Raises ValueError naming the tensors the checkpoint lacks or has in excess
-    (tensors named in `ignore` are allowed and not read)."""
+    checkpoint; the parameters in `expert_maps` get the start-up placement. Raises ValueError
+    naming the tensors the checkpoint lacks or has in excess (tensors named in `ignore` are
+    allowed and not read)."""
     model_dir = ckpt.model_dir
     available = set(ckpt.names)
+    layout = ExpertLayout.detect(cfg, available) if getattr(cfg, "is_moe", False) else None
     used: set[str] = set()
     missing: list[str] = []
     sources = []
     for path, shape in shapes.items():
-        source = _source(ckpt, path, shape, model_dir)
-        names = ([source.name(layer) for layer in range(source.num_layers)]
-                 if source.num_layers is not None else [source.name(None)])
+        if path in expert_maps:
+            sources.append((path, _expert_map_source(cfg, path, shape)))
+            continue
+        source = _source(ckpt, cfg, layout, path, shape, model_dir)
+        names = source.names()
         absent = [n for n in names if n not in available]
         missing += absent
         used.update(names)
@@ -204,13 +242,39 @@ def tensor_shapes(shapes: dict[tuple, tuple]) -> dict[str, tuple[tuple, int | No
     return index
 
 
-def _source(ckpt: CheckpointReader, path: tuple, shape: tuple, model_dir) -> ParamSource:
+def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | None,
+            path: tuple, shape: tuple, model_dir) -> ParamSource:
     stacked = is_stacked(path)
+    start = cfg.layer_runs[path[2]].start if stacked else 0
+    common = dict(path=path, shape=shape, num_layers=shape[0] if stacked else None,
+                  tensor_shape=ckpt.shape, model_dir=str(model_dir))
+    if is_expert_param(path):
+        leaf = path[-1]
+        E = cfg.num_experts
+
+        def expert_name(layer, slot):
+            return layout.tensor(leaf, start + layer, slot % E)
+
+        tensors = [n for layer in range(shape[0]) for n in layout.tensors(leaf, start + layer)]
+        return ParamSource(**common, name=expert_name, num_slots=shape[1],
+                           tensors=tuple(tensors),
+                           raw=lambda layer, slot: layout.read(ckpt, leaf, start + layer,
+                                                               slot % E))
     _, transform = LEAF_RULES[path[-1]]
+    in_moe_block = stacked and cfg.layer_runs[path[2]].moe and "mlp" in path
 
     def name(layer):
-        return hf_name(path, layer)
+        n = hf_name(path, None if layer is None else start + layer)
+        return layout.block_name(n) if in_moe_block else n
 
-    return ParamSource(path=path, shape=shape, num_layers=shape[0] if stacked else None,
-                       name=name, raw=lambda layer: transform(ckpt.get(name(layer))),
-                       tensor_shape=ckpt.shape, model_dir=str(model_dir))
+    return ParamSource(**common, name=name, raw=lambda layer: transform(ckpt.get(name(layer))))
+
+
+def _expert_map_source(cfg: ModelConfig, path: tuple, shape: tuple) -> ParamSource:
+    """The start-up placement tables of a MoE run (`models.moe.replica_tables`)."""
+    replicas, num_replicas = replica_tables(
+        trivial_placement(cfg.num_experts, cfg.num_physical_experts), cfg.num_experts)
+    table = {"replicas": replicas, "num_replicas": num_replicas}[path[-1]]
+    return ParamSource(path=path, shape=shape, num_layers=shape[0],
+                       name=lambda layer: f"(expert map {path[-1]})",
+                       raw=lambda layer: table, tensor_shape=lambda name: table.shape)

@@ -106,12 +106,52 @@ PRESETS["small-repeat"] = dict(PRESETS["small"], residual_write_scale=0.0)
 PRESETS["small-draft"] = dict(PRESETS["small"], hidden_size=256, intermediate_size=704,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
+# Mixture-of-experts presets: 8 experts, top-2. Experts are written per expert (as transformers 4
+# and 5.24 write them) unless `expert_layout` is "fused" (transformers 5's in-memory form, which
+# it also loads). tiny-qwen3-moe keeps layer 0 dense (`mlp_only_layers`), so its layers form
+# two runs of two kinds; it leaves the top-2 weights unnormalised, Mixtral renormalises them.
+_MOE = dict(num_experts=8, num_experts_per_tok=2)
+PRESETS["tiny-qwen3-moe"] = dict(
+    _COMMON, **_MOE,
+    architecture="Qwen3MoeForCausalLM",
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    moe_intermediate_size=128,
+    norm_topk_prob=False,
+    mlp_only_layers=[0],
+    rope_form="v4",
+    rope=dict(rope_type="default", rope_theta=1e6),
+)
+PRESETS["tiny-qwen3-moe-fused"] = dict(PRESETS["tiny-qwen3-moe"], expert_layout="fused")
+PRESETS["tiny-mixtral"] = dict(
+    _COMMON, **_MOE,
+    architecture="MixtralForCausalLM",
+    num_attention_heads=8,
+    head_dim=32,
+    intermediate_size=128,
+    rope_form="v5",
+    rope=dict(rope_type="default", rope_theta=1e6),
+)
+# The benchmark's MoE model: the "small" model's attention with 8 experts of a third of its MLP.
+PRESETS["small-moe"] = dict(
+    PRESETS["small"], **_MOE,
+    architecture="Qwen3MoeForCausalLM",
+    moe_intermediate_size=512,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+)
+
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+# Router weights: logits of std ROUTER_STD, so the top-k rarely sits on a near-tie that float
+# rounding could flip between implementations.
+ROUTER_STD = 4.0
 
 PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
@@ -242,13 +282,25 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
         "pad_token_id": PAD_ID,
         "use_cache": True,
     }
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         config["attention_bias"] = False
     if arch == "LlamaForCausalLM":
         config["mlp_bias"] = False
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         config.update(use_sliding_window=False, sliding_window=None,
                       max_window_layers=spec["num_hidden_layers"])
+    if arch == "Qwen3MoeForCausalLM":
+        config.update(num_experts=spec["num_experts"],
+                      num_experts_per_tok=spec["num_experts_per_tok"],
+                      moe_intermediate_size=spec["moe_intermediate_size"],
+                      norm_topk_prob=spec["norm_topk_prob"], decoder_sparse_step=1,
+                      mlp_only_layers=spec["mlp_only_layers"], output_router_logits=False,
+                      router_aux_loss_coef=0.001)
+    if arch == "MixtralForCausalLM":
+        config.update(num_local_experts=spec["num_experts"],
+                      num_experts_per_tok=spec["num_experts_per_tok"], router_jitter_noise=0.0,
+                      sliding_window=None, output_router_logits=False,
+                      router_aux_loss_coef=0.001)
 
     rope = dict(spec["rope"])
     if spec["rope_form"] == "v5":
@@ -365,11 +417,36 @@ def _write_tokenizer(out: Path, tokenizer: Tokenizer, max_length: int) -> None:
 # --- weights ------------------------------------------------------------------------------------
 
 
-def tensor_shapes(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape ([out, in] for projections, as torch Linear stores them)."""
+def _is_moe_layer(spec: dict[str, Any], layer: int) -> bool:
+    return "num_experts" in spec and layer not in spec.get("mlp_only_layers", ())
+
+
+def _expert_shapes(spec: dict[str, Any], prefix: str, fused: bool) -> dict[str, tuple]:
+    """A MoE layer's router and expert tensors, per expert or fused."""
+    d, num_experts = spec["hidden_size"], spec["num_experts"]
+    mixtral = spec["architecture"] == "MixtralForCausalLM"
+    f = spec["intermediate_size"] if mixtral else spec["moe_intermediate_size"]
+    block = f"{prefix}.block_sparse_moe" if mixtral and not fused else f"{prefix}.mlp"
+    shapes = {f"{block}.gate.weight": (num_experts, d)}
+    if fused:
+        return shapes | {f"{block}.experts.gate_up_proj": (num_experts, 2 * f, d),
+                         f"{block}.experts.down_proj": (num_experts, d, f)}
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for e in range(num_experts):
+        shapes.update({f"{block}.experts.{e}.{gate}.weight": (f, d),
+                       f"{block}.experts.{e}.{up}.weight": (f, d),
+                       f"{block}.experts.{e}.{down}.weight": (d, f)})
+    return shapes
+
+
+def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape ([out, in] for projections, as torch Linear stores them). MoE
+    experts come per expert or fused as the preset's `expert_layout` says (or `fused`)."""
     d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
     hd, nh, nkv = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"]
     arch = spec["architecture"]
+    if fused is None:
+        fused = spec.get("expert_layout") == "fused"
     shapes = {"model.embed_tokens.weight": (v, d)}
     for i in range(spec["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -380,17 +457,22 @@ def tensor_shapes(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             f"{p}.self_attn.v_proj.weight": (nkv * hd, d),
             f"{p}.self_attn.o_proj.weight": (d, nh * hd),
             f"{p}.post_attention_layernorm.weight": (d,),
-            f"{p}.mlp.gate_proj.weight": (f, d),
-            f"{p}.mlp.up_proj.weight": (f, d),
-            f"{p}.mlp.down_proj.weight": (d, f),
         })
+        if _is_moe_layer(spec, i):
+            shapes.update(_expert_shapes(spec, p, fused))
+        else:
+            shapes.update({
+                f"{p}.mlp.gate_proj.weight": (f, d),
+                f"{p}.mlp.up_proj.weight": (f, d),
+                f"{p}.mlp.down_proj.weight": (d, f),
+            })
         if arch == "Qwen2ForCausalLM":
             shapes.update({
                 f"{p}.self_attn.q_proj.bias": (nh * hd,),
                 f"{p}.self_attn.k_proj.bias": (nkv * hd,),
                 f"{p}.self_attn.v_proj.bias": (nkv * hd,),
             })
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             shapes.update({
                 f"{p}.self_attn.q_norm.weight": (hd,),
                 f"{p}.self_attn.k_norm.weight": (hd,),
@@ -423,7 +505,10 @@ def _init_values(name: str, shape: tuple[int, ...], seed: int,
     fan_in = shape[1]
     if name == "lm_head.weight":
         return (LOGIT_STD / np.sqrt(fan_in)) * x
-    scale = residual_write_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+    if name.endswith("gate.weight"):  # a MoE router
+        return (ROUTER_STD / np.sqrt(fan_in)) * x
+    residual_writes = ("o_proj.weight", "down_proj.weight", ".w2.weight")
+    scale = residual_write_scale if name.endswith(residual_writes) else 1.0
     return (scale / np.sqrt(fan_in)) * x
 
 
@@ -434,6 +519,17 @@ def _write_weights(
     names = list(shapes)
     groups = _split_by_size(names, shapes, shards)
     metadata = {"format": "pt"}  # HF expects this key when loading with torch
+    if spec.get("expert_layout") == "fused":
+        if shards != 1:
+            raise ValueError("a fused-expert preset is written as one file (shards=1)")
+        # The per-expert checkpoint's values, fused: both layouts hold the same model.
+        per_expert = tensor_shapes(spec, fused=False)
+        scale = spec.get("residual_write_scale", RESIDUAL_WRITE_SCALE)
+        values = {n: _init_tensor(n, s, seed, scale) for n, s in per_expert.items()}
+        values.update(_fuse_experts(values))
+        save_file({n: values[n].astype(dtype) for n in names}, out / "model.safetensors",
+                  metadata=metadata)
+        return
     if shards == 1:
         tensors = _materialise(groups[0], shapes, seed, dtype, spec)
         save_file(tensors, out / "model.safetensors", metadata=metadata)
@@ -447,6 +543,24 @@ def _write_weights(
         total += sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     _write_json(out / "model.safetensors.index.json", index)
+
+
+def _fuse_experts(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert Qwen3-MoE tensors -> transformers 5's fused ones, [E, 2I, D] and [E, D, I]."""
+    fused = {}
+    for name in values:
+        if name.endswith(".experts.0.gate_proj.weight"):
+            block = name.removesuffix(".0.gate_proj.weight")
+            experts = sorted({int(n[len(block) + 1:].split(".")[0]) for n in values
+                              if n.startswith(block + ".")})
+
+            def stack(leaf):
+                return np.stack([values[f"{block}.{e}.{leaf}.weight"] for e in experts])
+
+            fused[f"{block}.gate_up_proj"] = np.concatenate(
+                [stack("gate_proj"), stack("up_proj")], axis=1)
+            fused[f"{block}.down_proj"] = stack("down_proj")
+    return fused
 
 
 def _materialise(

@@ -6,6 +6,10 @@ row-parallel (input features over `tensor`; XLA all-reduces their partial sums),
 and the LM head are vocab-parallel. Norms are replicated. GSPMD derives every activation's
 sharding from these; attention runs per shard under `shard_map` (jaxrunner/attention/sharded.py).
 
+MoE experts [P, in, out] per layer: with expert parallelism their slot axis is split over the
+expert axes (models/moe_parallel.py); without, each expert is split as a dense MLP is (gate/up
+by output features, down by input features). The router is replicated.
+
 When `tp_size` exceeds the KV head count, k_proj/v_proj output heads are repeated at load time so
 the model holds `tp_size` KV heads, one per shard: q head h of the repeated model reads KV head
 h // (H / tp_size), which is original head h // (H / K), so GQA is unchanged.
@@ -33,6 +37,8 @@ PARTITION_RULES: list[tuple[str, P]] = [
     (r"self_attn\.o_proj\.kernel$", P(T, None)),
     (r"mlp\.(gate|up)_proj\.kernel$", P(None, T)),
     (r"mlp\.down_proj\.kernel$", P(T, None)),
+    (r"mlp\.experts\.(gate|up)_proj$", P(None, None, T)),
+    (r"mlp\.experts\.down_proj$", P(None, T, None)),
     (r"embed_tokens\.embedding$", P(T, None)),
     (r"lm_head\.kernel$", P(None, T)),
 ]
@@ -44,22 +50,34 @@ def path_name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def partition_spec(path: tuple) -> P:
+_EXPERTS = re.compile(r"mlp\.experts\.(gate|up|down)_proj$")
+
+
+def partition_spec(path: tuple, expert_axes: tuple[str, ...] = ()) -> P:
+    """The parameter's PartitionSpec; `expert_axes` (expert parallelism) split expert slots."""
     name = path_name(path)
+    if expert_axes and _EXPERTS.search(name):
+        return P(None, expert_axes, None, None)
     for pattern, spec in PARTITION_RULES:
         if re.search(pattern, name):
             return P(None, *spec) if is_stacked(path) else spec
     return P()
 
 
-def sharded_model_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
-    """The config the sharded model is built from: KV heads repeated up to `tp_size`.
+def sharded_model_config(cfg: ModelConfig, tp_size: int,
+                         num_redundant_experts: int = 0) -> ModelConfig:
+    """The config the sharded model is built from: KV heads repeated up to `tp_size`, and a MoE
+    model's expert slots: its experts plus `num_redundant_experts` copies (EPLB).
 
     Raises ValueError when the heads cannot be split `tp_size` ways.
     """
     check_tp_size(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size)
     kv = effective_kv_heads(cfg.num_key_value_heads, tp_size)
-    return dataclasses.replace(cfg, num_key_value_heads=kv)
+    if num_redundant_experts and not cfg.is_moe:
+        raise ValueError(f"ep_num_redundant_experts={num_redundant_experts} needs a MoE model; "
+                         f"{cfg.architecture} has no experts")
+    return dataclasses.replace(cfg, num_key_value_heads=kv,
+                               num_physical_experts=cfg.num_experts + num_redundant_experts)
 
 
 def repeat_kv_heads(array: np.ndarray, num_kv_heads: int, repeats: int) -> np.ndarray:
@@ -82,20 +100,24 @@ class ShardedPlacer:
     mesh: jax.sharding.Mesh
     num_kv_heads: int   # in the checkpoint
     kv_repeats: int     # copies of each KV head the sharded model holds
+    expert_axes: tuple[str, ...] = ()   # mesh axes splitting the expert slots (EP), if any
 
     @classmethod
-    def for_model(cls, mesh, cfg: ModelConfig) -> "ShardedPlacer":
+    def for_model(cls, mesh, cfg: ModelConfig, expert_axes: tuple[str, ...] = ()
+                  ) -> "ShardedPlacer":
         """`cfg` is the checkpoint's config (before `sharded_model_config`)."""
         tp_size = mesh.shape[TENSOR_AXIS]
         kv = effective_kv_heads(cfg.num_key_value_heads, tp_size)
-        return cls(mesh, cfg.num_key_value_heads, kv // cfg.num_key_value_heads)
+        return cls(mesh, cfg.num_key_value_heads, kv // cfg.num_key_value_heads, expert_axes)
 
     def sharding(self, path: tuple, shape: tuple) -> NamedSharding:
-        spec = partition_spec(path)
-        tp_size = self.mesh.shape[TENSOR_AXIS]
+        spec = partition_spec(path, self.expert_axes)
         # A dimension the mesh does not divide (an odd vocabulary) stays whole on every device.
-        for dim, axis in zip(shape, spec):
-            if axis is not None and dim % tp_size:
+        for dim, axes in zip(shape, spec):
+            if axes is None:
+                continue
+            ways = int(np.prod([self.mesh.shape[a] for a in np.atleast_1d(axes)]))
+            if dim % ways:
                 return NamedSharding(self.mesh, P())
         return NamedSharding(self.mesh, spec)
 

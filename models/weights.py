@@ -79,10 +79,12 @@ class CheckpointReader:
         f, _ = self._where[name]
         return tuple(f.get_slice(name).get_shape())
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, index: int | None = None) -> np.ndarray:
+        """The tensor `name`, or only its row `index` (read alone: one expert of a fused
+        expert tensor)."""
         f, path = self._where[name]
         try:
-            return f.get_tensor(name)
+            return f.get_tensor(name) if index is None else f.get_slice(name)[index]
         except SafetensorError as e:
             raise ValueError(f"corrupt safetensors file {path}: tensor {name!r}: {e}") from e
 

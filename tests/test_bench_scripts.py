@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench_common  # noqa: E402
+import bench_moe  # noqa: E402
 import bench_offline_throughput  # noqa: E402
 import bench_one_batch  # noqa: E402
 import bench_speculative  # noqa: E402
@@ -180,3 +181,19 @@ def test_bench_speculative_ngram_on_the_tiny_model(checkpoint, compilation_cache
     assert ngram["output_tokens"] == 24 and ngram["same_tokens_as_plain"]
     assert 1.0 <= ngram["accept_length"] <= 4 + 1  # --num-steps 4: at most 5 per round
     assert json.loads((tmp_path / "spec.json").read_text())["runs"][1]["algorithm"] == "NGRAM"
+def test_bench_moe_layer_and_balance():
+    """The layer rows (tiny shapes, one token count) and the balancedness study: a rebalance
+    with redundant slots evens a Zipf-skewed load, measured on a fresh sample."""
+    args = bench_moe.parse_args(["--tokens", "16", "--reps", "1", "--hidden", "32",
+                                 "--moe-intermediate", "16", "--skip-e2e"])
+    shapes = bench_moe.layer_shapes(args)
+    assert shapes == {"hidden": 32, "moe_intermediate": 16, "num_experts": 8, "top_k": 2}
+    (row,) = bench_moe.bench_layer(args, shapes)
+    assert row["tokens"] == 16 and row["useful_gflop"] == 2 * 16 * 2 * 3 * 32 * 16 / 1e9
+    assert all(row[k] > 0 for k in ("blocked_ms", "ragged_dot_ms", "dense_reference_ms",
+                                    "flop_floor_ms"))
+    rows = bench_moe.bench_balance(args)
+    assert [(r["ep_size"], r["redundant"]) for r in rows] == [(4, 0), (4, 4), (8, 0), (8, 8)]
+    for r in rows:
+        assert 0 < r["balancedness_before"] < r["balancedness_after"] <= 1, r
+        assert r["max_over_mean_after"] < r["max_over_mean_before"], r

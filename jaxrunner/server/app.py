@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxrunner.server import lifecycle_api, native_api, openai_api
-from jaxrunner.server.engine_loop import EngineLoop
+from jaxrunner.server.engine_loop import EngineError, EngineLoop
 from jaxrunner.server.metrics import ServerMetrics
 from jaxrunner.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        GenerateRequest)
@@ -95,6 +95,28 @@ def build_app(engine, served_model_name: str | None = None) -> FastAPI:
                 "engine_alive": engine_loop.alive, **engine_loop.stats}
 
     lifecycle_api.add_routes(app, state, parse)
+    # The expert distribution recorder (MoE models; SGLang's routes): GET or POST.
+    async def on_engine(fn):
+        try:
+            return await engine_loop.call(fn, when_idle=False)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        except EngineError as e:
+            raise APIError(str(e), 503) from None
+
+    @app.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+    async def start_expert_distribution_record():
+        await on_engine(lambda e: e.start_expert_distribution_record())
+        return Response(status_code=200)
+
+    @app.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+    async def stop_expert_distribution_record():
+        await on_engine(lambda e: e.stop_expert_distribution_record())
+        return Response(status_code=200)
+
+    @app.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+    async def dump_expert_distribution_record():
+        return await on_engine(lambda e: e.dump_expert_distribution_record())
 
     @app.get("/metrics")
     async def metrics_text():

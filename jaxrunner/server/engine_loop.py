@@ -211,6 +211,12 @@ class EngineLoop:
                     self._abort_all(out)
             elif cmd == "abort_all":
                 self._abort_all(out)
+            elif cmd == "call":
+                fn, future = group
+                try:
+                    out.append((future.set_result, fn(self.engine)))
+                except Exception as e:  # the caller gets it; the engine keeps serving
+                    out.append((future.set_exception, e))
             elif cmd == "abort":
                 for req in group.reqs:
                     if not req.finished:

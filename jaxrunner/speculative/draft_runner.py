@@ -28,6 +28,7 @@ from jaxrunner.speculative.steps import (DraftState, draft_decode_step, draft_ex
                                          draft_prefill_step)
 from models.eagle import HEAD_CLASSES, IGNORED_TENSORS, DraftHeadConfig
 from models.loader import load_model
+from models.moe_parallel import MoeRunner
 from models.registry import model_class
 from models.sharding import ShardedPlacer, sharded_model_config
 
@@ -82,7 +83,10 @@ class DraftRunner(ModelRunner):
         self.dtype = self.target.dtype
         tp = self.parallel.tp_size
         self.sharded_config = layer = sharded_model_config(self.layer_config, tp)
-        place = ShardedPlacer.for_model(self.parallel.mesh, self.layer_config)
+        # A head's layer is dense; a standalone draft may be a MoE model, run as the target's.
+        self.moe_runner = MoeRunner() if self.head_config is not None else self._moe_runner(layer)
+        place = ShardedPlacer.for_model(self.parallel.mesh, self.layer_config,
+                                        self.moe_runner.expert_axes)
         if self.head_config is not None:
             config = dataclasses.replace(self.head_config, layer=layer)
             model = load_model(HEAD_CLASSES[self.kind], config, self.draft_path, self.dtype,
@@ -168,7 +172,7 @@ class DraftRunner(ModelRunner):
         if mode == ForwardMode.EXTEND:
             if self.head_config is None:
                 return partial(_standalone_step,
-                               partial(_forward_step, self.graphdef, backend, ()))
+                               partial(_forward_step, self.graphdef, backend, self.moe_runner, ()))
             return partial(draft_prefill_step, self.graphdef, backend, target)
         if mode == ForwardMode.DECODE:
             return partial(draft_decode_step, self.graphdef, backend, target)

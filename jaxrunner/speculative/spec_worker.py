@@ -69,6 +69,10 @@ def _draft_config(args: EngineArgs, target: ModelConfig):
 class SpeculativeWorker:
     """`ModelWorker`'s verbs, plus `forward_batch_speculative` and `speculative_window`."""
 
+    # Refused under speculation (Engine._expert_tools, EngineArgs): verify steps drop the
+    # target's routed counts.
+    expert_recorder = eplb_manager = None
+
     def __init__(self, args: EngineArgs, model_config: ModelConfig,
                  compile_monitor: CompileMonitor | None = None):
         self.algorithm = args.speculative_algorithm

@@ -43,9 +43,11 @@ def captured_hidden(hidden, aux):
     return jnp.concatenate(list(aux), axis=-1)
 
 
-def verify_step(graphdef, backend, aux_layers, capture, state, kv_cache, fb: ForwardBatch):
+def verify_step(graphdef, backend, moe_runner, aux_layers, capture, state, kv_cache,
+                fb: ForwardBatch):
     """TARGET_VERIFY: the target over each request's W tokens (its last known token, then its
-    drafts, read on the device) and the acceptance of the drafts."""
+    drafts, read on the device) and the acceptance of the drafts. (A MoE target's routed
+    counts are not returned: the expert recorder and EPLB are refused under speculation.)"""
     info = fb.spec_info
     fb = fb.prepare()
     R = fb.batch_size
@@ -57,7 +59,7 @@ def verify_step(graphdef, backend, aux_layers, capture, state, kv_cache, fb: For
     from_draft = drafts.reshape(-1)[jnp.arange(fb.num_tokens) - jnp.arange(fb.num_tokens) // W - 1]
     fb = fb.replace(input_ids=jnp.where(slot > 0, from_draft, fb.input_ids))
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache, aux = model(fb, kv_cache, backend, aux_layers=aux_layers)
+    hidden, kv_cache, aux, _ = model(fb, kv_cache, backend, moe_runner, aux_layers=aux_layers)
     logits = model.compute_logits(hidden).reshape(R, W, -1)
     accept_len, tokens, logprobs = accept_drafts(logits, drafts, info.num_drafts, info.sampling)
     captured = captured_hidden(hidden, aux)
@@ -103,7 +105,7 @@ def draft_decode_step(graphdef, backend, shared_graphdef, state, shared, kv_cach
     tokens = jnp.where(info.from_host, fb.input_ids, previous)
     fb = fb.replace(input_ids=tokens)
     if shared is None:  # a standalone draft model
-        hidden, kv_cache, _ = model(fb, kv_cache, backend)
+        hidden, kv_cache, _, _ = model(fb, kv_cache, backend)
         next_tokens = first_argmax(model.compute_logits(hidden))
         new_hidden = draft.hidden
     else:

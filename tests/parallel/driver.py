@@ -27,6 +27,8 @@ def main(spec: dict) -> dict:
 
     results = []
     for run in spec["runs"]:
+        run = dict(run)
+        rebalance = run.pop("rebalance", False)  # a MoE run: see rebalance_report
         kwargs = dict(spec.get("engine_kwargs", {}), model_path=spec["model_path"], **run)
         engine = Engine(**kwargs)
         warm = engine.compile_monitor.count
@@ -58,7 +60,12 @@ def main(spec: dict) -> dict:
                             compiles_after_warmup=engine.compile_monitor.count - warm,
                             num_devices=engine.runner.parallel.num_devices,
                             kv_cache_shape=list(engine.runner.token_to_kv_pool.layer_shape),
-                            jax_devices=jax.device_count(), **extra))
+                            jax_devices=jax.device_count(),
+                            executable_cache_hits=getattr(engine.runner.executable_cache,
+                                                          "hits", 0), **extra))
+        if rebalance:
+            results[-1].update(rebalance_report(engine, spec["skewed_prompts"], params),
+                               rebalance=True)
         if spec.get("decode_hlo"):
             results[-1]["decode_hlo"] = decode_hlo_summary(engine)
         if spec.get("lifecycle"):
@@ -104,6 +111,32 @@ def lifecycle_report(engine, spec: dict, params: dict) -> dict:
             "after_resume": [o["output_ids"] for o in after_resume],
             "serving_compiles": engine.compile_monitor.count - warm,
             "readback_equal": readback_equal}
+def rebalance_report(engine, prompts, params) -> dict:
+    """A skewed workload, recorded; an EPLB rebalance; the same workload again, recorded: the
+    tokens of both, the routed (token, choice) pairs per EP rank [MoE layers, ep] of both, and
+    the compiles the rebalance and the second pass made."""
+    import tempfile  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    ep = engine.args.ep_size
+    passes = []
+    for _ in range(2):
+        assert engine.flush_cache()  # both passes compute every token (no cached prefix)
+        engine.start_expert_distribution_record()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        engine.stop_expert_distribution_record()
+        record = engine.dump_expert_distribution_record(tempfile.mktemp(suffix=".json"))
+        physical = np.array(record["physical_count"])                  # [Lm, P]
+        passes.append({"output_ids": [o["output_ids"] for o in outs],
+                       "rank_loads": physical.reshape(len(physical), ep, -1).sum(-1).tolist(),
+                       "logical_count": record["logical_count"]})
+        if len(passes) == 1:
+            compiles = engine.compile_monitor.count
+            report = engine.rebalance_experts()
+    return {"skewed": passes, "eplb_report": report,
+            "physical_to_logical": engine.runner.expert_location.physical_to_logical.tolist(),
+            "rebalance_compiles": engine.compile_monitor.count - compiles}
 
 
 def decode_hlo_summary(engine) -> dict:

@@ -70,6 +70,9 @@ BAD = [
     ("/generate", {"input_ids": LONG_IDS}, 400, "context length"),
     ("/generate", {"input_ids": []}, 400, "empty"),
     ("/generate", _with(GENERATE, text=["a", "b"], sampling_params=[{}]), 400, "2 requests"),
+    # The expert distribution recorder's routes on a dense model.
+    ("/start_expert_distribution_record", {}, 400, "has no experts"),
+    ("/dump_expert_distribution_record", {}, 400, "need a MoE model"),
     ("/nowhere", {}, 404, "Not Found"),
 ]
 

@@ -3,6 +3,7 @@ spinning, and a failing step that fails its requests instead of hanging them."""
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -182,3 +183,24 @@ def test_a_call_can_abort_the_requests_in_flight_or_run_between_two_steps():
     between, (steps, finished), reason = _run(engine, body)
     assert between == 1 and finished == ["abort"] and reason == {"type": "abort"}
     assert steps < 10 ** 6
+def test_call_runs_on_the_engine_thread_between_steps_and_returns_or_raises():
+    """`EngineLoop.call` (the expert distribution recorder's routes): the result comes back, an
+    exception reaches the caller only, and requests keep running around it."""
+    engine = FakeEngine()
+
+    def fail(e):
+        raise ValueError("no experts here")
+
+    async def body(loop):
+        group = await loop.submit([RequestSpec([1], {"max_new_tokens": 4})])
+        thread = await loop.call(lambda e: threading.current_thread(), when_idle=False)
+        with pytest.raises(ValueError, match="no experts here"):
+            await loop.call(fail, when_idle=False)
+        steps = await loop.call(lambda e: e.steps, when_idle=False)
+        deltas = await _collect(group)
+        return thread, steps, deltas
+
+    thread, steps, deltas = _run(engine, body)
+    assert thread is not threading.main_thread()
+    assert 0 <= steps <= 4
+    assert sum(len(d.token_ids) for d in deltas) == 4

@@ -1,0 +1,88 @@
+"""Expert parallelism on 8 simulated CPU devices (tiny-qwen3-moe: a dense layer, then two MoE
+layers): EP 2, 4 and 8 (experts split over the tensor-parallel attention devices) and EP 4 over
+DP attention 2 x TP 2 give one device's greedy tokens with no compile after warm-up; the decode
+step gathers no expert weight; an EPLB rebalance on a skewed workload evens the EP ranks'
+loads, keeps the tokens and compiles nothing."""
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.parallel.conftest import run_driver
+
+EP_RUNS = [{"tp_size": 1}, {"tp_size": 2, "ep_size": 2}, {"tp_size": 4, "ep_size": 4},
+           {"tp_size": 8, "ep_size": 8}, {"dp_size": 2, "tp_size": 2, "ep_size": 4},
+           # Again: its executables (4 of the 8 devices) come from the executable cache.
+           {"tp_size": 4, "ep_size": 4},
+           # EPLB: 4 redundant slots (12 = 3 per rank), rebalanced on demand.
+           {"tp_size": 4, "ep_size": 4, "ep_num_redundant_experts": 4, "rebalance": True}]
+# Every prompt the same token over and over: every token of a layer picks the same experts.
+SKEWED = [[7] * 40, [7] * 25, [7] * 12, [7] * 3]
+
+
+@pytest.fixture(scope="module")
+def ep_runs(checkpoint, parallel_spec):
+    spec = parallel_spec(checkpoint("tiny-qwen3-moe"), EP_RUNS, decode_hlo=True,
+                         skewed_prompts=SKEWED)
+    return run_driver(spec, timeout=1200)["results"]
+
+
+def _name(run):
+    return ",".join(f"{k}={v}" for k, v in run.items()
+                    if k in ("dp_size", "tp_size", "ep_size", "ep_num_redundant_experts"))
+
+
+def test_expert_parallel_matches_one_device_without_compiles(ep_runs):
+    base = ep_runs[0]
+    for run in ep_runs[1:]:
+        assert run["output_ids"] == base["output_ids"], _name(run)
+        assert run["compiles_after_warmup"] == 0, _name(run)
+
+
+def test_a_sub_mesh_engine_loads_its_executables_from_the_cache(ep_runs):
+    first, again = ep_runs[2], ep_runs[5]
+    assert first["ep_size"] == again["ep_size"] == 4 and first["executable_cache_hits"] == 0
+    assert again["executable_cache_hits"] > 0 and again["output_ids"] == first["output_ids"]
+
+
+def _shape(hlo_type: str) -> tuple:
+    dims = re.search(r"\[([\d,]*)\]", hlo_type).group(1)
+    return tuple(int(d) for d in dims.split(",") if d)
+
+
+def test_decode_hlo_gathers_no_expert_weight(ep_runs):
+    for run in ep_runs[1:]:
+        hlo = run["decode_hlo"]
+        # Expert weights are [L, P, D, I] (or [L, P, I, D]): the stack, a layer's slots, one
+        # expert, whole or as this device's shard of the slots.
+        experts = {tuple(s) for s in hlo["weight_shapes"] if len(s) == 4}
+        ep = run.get("ep_size", 1)
+        experts |= {(s[0], s[1] // ep) + s[2:] for s in experts}
+        experts |= {s[1:] for s in experts} | {s[2:] for s in experts}
+        gathered = [_shape(t) for op, t in hlo["collectives"] if op == "all-gather"]
+        assert not [s for s in gathered if s in experts], (_name(run), gathered, experts)
+        # The partial outputs of the experts meet in a sum.
+        ops = [op for op, _ in hlo["collectives"]]
+        assert ops.count("all-reduce") + ops.count("reduce-scatter") >= 1, (_name(run), ops)
+
+
+def test_eplb_rebalance_evens_the_ranks_keeps_the_tokens_and_compiles_nothing(ep_runs):
+    run = ep_runs[-1]
+    before, after = run["skewed"]
+    report = run["eplb_report"]
+    assert report["rebalanced"] and report["moved_slots"] > 0
+    assert after["output_ids"] == before["output_ids"]
+    assert run["rebalance_compiles"] == 0 and run["compiles_after_warmup"] == 0
+    # The same tokens routed to the same logical experts, now spread over their copies.
+    assert after["logical_count"] == before["logical_count"]
+    loads = {name: np.array(p["rank_loads"], np.float64) for name, p in
+             (("before", before), ("after", after))}
+    max_over_mean = {name: (l.max(-1) / l.mean(-1)) for name, l in loads.items()}
+    print("EPLB max/mean per EP rank, per MoE layer:", {k: v.round(3).tolist()
+                                                          for k, v in max_over_mean.items()})
+    assert (max_over_mean["after"] < max_over_mean["before"]).all(), max_over_mean
+    # Each expert now has as many slots as its load asks for, all 12 slots used.
+    placement = np.array(run["physical_to_logical"])
+    assert placement.shape == (2, 12)
+    assert all(sorted(set(row)) == list(range(8)) for row in placement.tolist())
