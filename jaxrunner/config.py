@@ -72,6 +72,10 @@ class EngineArgs:
 
     # Seeds the random seeds of requests that don't bring their own.
     random_seed: int = 0
+    # JSON-schema constrained output (SGLang's names): the whitespace allowed between JSON
+    # tokens as a regex (None: llguidance's default, any JSON whitespace), or none at all.
+    constrained_json_whitespace_pattern: str | None = None
+    constrained_json_disable_any_whitespace: bool = False
 
     # Parallelism (jaxrunner/parallel.py): a (dp_size, tp_size) mesh. `tp_size` shards heads and
     # MLP columns (it must divide num_attention_heads); `dp_size` > 1 is DP attention, each rank

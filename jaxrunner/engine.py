@@ -1,17 +1,15 @@
 """The offline engine: SGLang's `Engine.generate` API over the scheduler, in this process."""
 
 import gc
-import itertools
-import numbers
-import random
 
 from tqdm.auto import tqdm
 
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.dp_scheduler import DataParallelScheduler
+from jaxrunner.grammar import GrammarCache
 from jaxrunner.model_worker import ModelWorker
-from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.request_factory import RequestFactory
 from jaxrunner.schedule_batch import Req
 from jaxrunner.scheduler import Scheduler
 from jaxrunner.tokenizer import load_tokenizer
@@ -49,8 +47,15 @@ class Engine:
         else:
             self.scheduler = Scheduler(self.worker, decode_text)
             self._rank_schedulers = [self.scheduler]
-        self._rids = itertools.count()
-        self._seeds = random.Random(self.args.random_seed)
+        cfg = self.model_config
+        self.grammar_cache = None if self.tokenizer is None else GrammarCache(
+            self.tokenizer, cfg.vocab_size, cfg.eos_token_ids,
+            json_whitespace_pattern=self.args.constrained_json_whitespace_pattern,
+            json_disable_any_whitespace=self.args.constrained_json_disable_any_whitespace)
+        # Validation, ids and seeds of every request (the server's too).
+        self.request_factory = RequestFactory(cfg.vocab_size, cfg.eos_token_ids, self.max_req_len,
+                                              self.grammar_cache, self.tokenizer is not None,
+                                              self.args.random_seed)
         # Start-up objects (model, executables, tokenizer) live as long as the engine: freezing
         # them keeps the cyclic GC's full collections, which pause a step for ~0.3 s here, short.
         gc.collect()
@@ -78,25 +83,35 @@ class Engine:
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None,
                  return_logprob: bool | list[bool] = False, priority: int | list[int] = 0,
+                 top_logprobs_num: int | list[int] = 0, logprob_start_len: int | list[int] = -1,
                  show_progress: bool = False):
         """Generates for one prompt (a dict back) or a list of prompts (a list of dicts back).
 
         `prompt` is text (or a list of texts), `input_ids` token ids (or a list of lists); give
         one. `sampling_params` is a dict of `SamplingParams` fields, or a list of dicts, one per
-        request. Every request is validated before any runs: a bad one raises ValueError naming
-        it, and nothing is enqueued. `show_progress` draws a progress bar of finished requests.
+        request; its `n` > 1 gives that many samples of the prompt, one after another in the
+        output list. `return_logprob` adds log-probabilities of the output tokens, with
+        `top_logprobs_num` alternatives each, and of the prompt from `logprob_start_len` (-1:
+        none), as SGLang's `/generate` does. Every request is validated before any runs: a bad
+        one raises ValueError naming it, and nothing is enqueued. `show_progress` draws a
+        progress bar of finished requests.
         """
         single, prompts = self._normalize_prompts(prompt, input_ids)
         n = len(prompts)
-        params = self._per_request(sampling_params, n, "sampling_params", default={})
-        logprob_flags = self._per_request(return_logprob, n, "return_logprob", default=False)
-        priorities = self._per_request(priority, n, "priority", default=0)
+        per_request = [self._per_request(v, n, name, default) for v, name, default in (
+            (sampling_params, "sampling_params", {}), (return_logprob, "return_logprob", False),
+            (priority, "priority", 0), (top_logprobs_num, "top_logprobs_num", 0),
+            (logprob_start_len, "logprob_start_len", -1))]
         reqs = []
-        for i, (ids, p, lp, prio) in enumerate(zip(prompts, params, logprob_flags, priorities)):
+        for i, (ids, p, lp, prio, top, start) in enumerate(zip(prompts, *per_request)):
             try:
-                reqs.append(self._make_req(ids, p, lp, prio))
+                group = self.request_factory.make_group(
+                    ids, p, return_logprob=lp, priority=prio, top_logprobs_num=top,
+                    logprob_start_len=start)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
+            reqs += group
+        single = single and len(reqs) == 1
         for req in reqs:
             self.scheduler.add_request(req)
         progress = tqdm(total=len(reqs), desc="generating", disable=not show_progress)
@@ -107,14 +122,26 @@ class Engine:
         return outputs[0] if single else outputs
 
     def add_request(self, input_ids: list[int], sampling_params=None,
-                    return_logprob: bool = False, priority: int = 0) -> Req:
-        """Queues one request without running it (the low-level API under `generate`).
+                    return_logprob: bool = False, priority: int = 0, **logprob_options) -> Req:
+        """Queues one request without running it (the low-level API under `generate`);
+        `logprob_options`: `top_logprobs_num`, `logprob_start_len`.
 
         Raises ValueError, naming the problem, for a request that cannot be served.
         """
-        req = self._make_req(list(input_ids), sampling_params or {}, return_logprob, priority)
-        self.scheduler.add_request(req)
+        req = self.make_request(input_ids, sampling_params, return_logprob=return_logprob,
+                                priority=priority, **logprob_options)
+        self.enqueue(req)
         return req
+
+    def make_request(self, input_ids: list[int], sampling_params=None, **options) -> Req:
+        """A validated request (grammar compiled, id and seed drawn), not queued; thread-safe,
+        so a server makes them off the thread that steps the engine. `options` are
+        `RequestFactory.make`'s."""
+        return self.request_factory.make(input_ids, sampling_params, **options)
+
+    def enqueue(self, req: Req) -> None:
+        """Queues a request from `make_request`."""
+        self.scheduler.add_request(req)
 
     def step(self) -> list[Req]:
         """Runs one scheduler step; returns the requests that got a new token in it (check
@@ -159,39 +186,13 @@ class Engine:
             return value
         return [value] * n
 
-    def _make_req(self, ids: list[int], params, return_logprob: bool, priority: int) -> Req:
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise ValueError("empty prompt")
-        for t in ids:
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        ids = [int(t) for t in ids]
-        if len(ids) >= self.max_req_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length "
-                             f"{self.max_req_len} (it must leave room for one new token)")
-        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a dict")
-        params.verify(vocab)
-        params = params.normalized()
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        return Req(rid=next(self._rids), origin_input_ids=ids, sampling_params=params, seed=seed,
-                   max_new_tokens=min(params.max_new_tokens, self.max_req_len - len(ids)),
-                   eos_token_ids=frozenset(self.model_config.eos_token_ids),
-                   return_logprob=bool(return_logprob), priority=int(priority))
-
     def output(self, req: Req) -> dict:
-        """The result dict of a finished request."""
+        """The result dict of a finished request (SGLang's `meta_info` keys)."""
         meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
                 "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
                 "finish_reason": req.finished_reason}
         if req.return_logprob:
-            meta["output_token_logprobs"] = [(lp, t, None)
-                                             for lp, t in zip(req.output_logprobs, req.output_ids)]
+            meta.update(logprob_meta(req))
         out = {"output_ids": list(req.output_ids), "meta_info": meta}
         if self.tokenizer is not None:
             out["text"] = (req.stopped_text if req.stopped_text is not None
@@ -227,3 +228,24 @@ class Engine:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def logprob_meta(req: Req) -> dict:
+    """SGLang's log-probability entries of a request's `meta_info`: lists of (logprob, token id,
+    None) tuples (the server may put the token's text in the third place)."""
+    meta = {"output_token_logprobs": [(lp, t, None)
+                                      for lp, t in zip(req.output_logprobs, req.output_ids)]}
+    if req.top_logprobs_num:
+        meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in top]
+                                       for top in req.output_top_logprobs]
+    if req.logprob_start_len >= 0:
+        start, prompt = req.logprob_start_len, req.origin_input_ids
+        lps = req.input_token_logprobs or [None] * len(prompt)
+        meta["input_token_logprobs"] = [(lps[p], prompt[p], None)
+                                        for p in range(start, len(prompt))]
+        if req.top_logprobs_num:
+            tops = req.input_top_logprobs or [None] * len(prompt)
+            meta["input_top_logprobs"] = [None if tops[p] is None else
+                                          [(lp, t, None) for lp, t in tops[p]]
+                                          for p in range(start, len(prompt))]
+    return meta

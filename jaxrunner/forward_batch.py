@@ -42,6 +42,9 @@ class ForwardBatch:
     extend_seq_lens: jax.Array     # i32[R]: new tokens per request
     extend_prefix_lens: jax.Array  # i32[R]: tokens already in the cache per request
     page_table: jax.Array          # i32[R, P]: KV pages of each request
+    # i32[T]: the prompt token after each token, whose log-probability the step returns
+    # (prompt logprobs); -1 where none is wanted.
+    logprob_target_ids: jax.Array
 
     # Filled by `prepare()` inside the step.
     positions: jax.Array | None = None         # i32[T]: position of each token in its sequence
@@ -69,16 +72,17 @@ class ForwardBatch:
         the runner's zeros of the same shape.
         """
         (input_ids, input_token_src, out_cache_loc, seq_lens, extend_seq_lens,
-         extend_prefix_lens, page_table, sampling) = jax.device_put(
+         extend_prefix_lens, page_table, logprob_target_ids, sampling) = jax.device_put(
             (batch.input_ids, batch.input_token_src, batch.out_cache_loc, batch.seq_lens,
-             batch.extend_seq_lens, batch.extend_prefix_lens, batch.page_table, batch.sampling),
-            sharding)
+             batch.extend_seq_lens, batch.extend_prefix_lens, batch.page_table,
+             batch.logprob_target_ids, batch.sampling), sharding)
         forward_batch = cls(
             forward_mode=batch.forward_mode, capture_hidden_mode=batch.capture_hidden_mode,
             batch_size=batch.bucket.num_reqs, input_ids=input_ids,
             input_token_src=input_token_src, prev_tokens=prev_tokens,
             out_cache_loc=out_cache_loc, seq_lens=seq_lens, extend_seq_lens=extend_seq_lens,
-            extend_prefix_lens=extend_prefix_lens, page_table=page_table)
+            extend_prefix_lens=extend_prefix_lens, page_table=page_table,
+            logprob_target_ids=logprob_target_ids)
         return forward_batch, sampling
 
     def prepare(self) -> "ForwardBatch":
