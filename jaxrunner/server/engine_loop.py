@@ -22,11 +22,16 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class RequestSpec:
-    """One engine request: what `Engine.add_request` takes."""
+    """One engine request: what `Engine.make_request` takes. The server makes the `Req` (which
+    validates it and compiles its grammar) in a worker thread before submitting, so the loop
+    only queues it; a spec without `req` is made on the loop."""
 
     input_ids: list[int]
     sampling_params: dict
     return_logprob: bool = False
+    # `Engine.make_request` options: top_logprobs_num, logprob_start_len, strict_budget.
+    options: dict = dataclasses.field(default_factory=dict)
+    req: object = None
 
 
 @dataclasses.dataclass
@@ -36,8 +41,15 @@ class Delta:
     index: int                     # which request of the group
     token_ids: list[int]
     logprobs: list[float]
+    # Per new token, its (logprob, token id) alternatives, when the request asked for them.
+    top_logprobs: list = dataclasses.field(default_factory=list)
     finished_reason: dict | None = None
     stopped_text: str | None = None
+    # In the finishing delta: the prompt tokens served from the prefix cache, and the prompt's
+    # (logprob, top alternatives) per position when asked for (None before logprob_start_len).
+    cached_tokens: int = 0
+    input_logprobs: list | None = None
+    input_top_logprobs: list | None = None
 
 
 class EngineError(RuntimeError):
@@ -181,8 +193,12 @@ class EngineLoop:
         reqs = []
         try:
             for spec in group.specs:
-                reqs.append(self.engine.add_request(spec.input_ids, spec.sampling_params,
-                                                    spec.return_logprob))
+                if spec.req is None:
+                    reqs.append(self.engine.add_request(spec.input_ids, spec.sampling_params,
+                                                        spec.return_logprob, **spec.options))
+                else:
+                    self.engine.enqueue(spec.req)
+                    reqs.append(spec.req)
         except ValueError as e:
             for req in reqs:
                 self.engine.abort_request(req)
@@ -211,10 +227,16 @@ class EngineLoop:
                 self.metrics.generation_tokens.inc(len(new_ids))
             track.sent += len(new_ids)
             track.last_token_time = now
-            delta = Delta(track.index, new_ids, new_lps)
+            tops = getattr(req, "output_top_logprobs", None)
+            delta = Delta(track.index, new_ids, new_lps,
+                          list(tops[track.sent - len(new_ids):track.sent]) if tops else [])
             if req.finished:
                 delta.finished_reason = dict(req.finished_reason)
                 delta.stopped_text = req.stopped_text
+                delta.cached_tokens = getattr(req, "cached_tokens", 0)
+                if getattr(req, "input_token_logprobs", None) is not None:
+                    delta.input_logprobs = list(req.input_token_logprobs)
+                    delta.input_top_logprobs = list(req.input_top_logprobs)
                 del self._tracks[req]
                 if self.metrics:
                     self.metrics.observe_finished(req.finished_reason["type"],

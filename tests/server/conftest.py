@@ -82,7 +82,9 @@ def model_path(checkpoint):
 @pytest.fixture(scope="session")
 def server(model_path, engine_kwargs, tmp_path_factory):
     """One server for the suite (each start compiles or loads every bucket)."""
-    proc = ServerProcess(model_path, engine_kwargs,
+    # No whitespace between JSON tokens: a random model would fill its budget with it.
+    proc = ServerProcess(model_path, dict(engine_kwargs,
+                                          constrained_json_disable_any_whitespace=True),
                          tmp_path_factory.mktemp("server") / "server.log")
     try:
         proc.wait_ready()
