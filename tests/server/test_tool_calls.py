@@ -1,5 +1,5 @@
 """Tool-call and reasoning parsers on scripted model outputs, whole and streamed in every split,
-the grammar that forces tool_choice, and the API-key middleware."""
+the grammar that forces tool_choice, the API-key middleware and the chat-template flag."""
 
 import json
 
@@ -104,3 +104,19 @@ def test_api_key_guards_every_route_but_health():
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).text == "models"
+
+
+def test_chat_template_flag_takes_a_file_or_a_builtin_name(tmp_path, model_path):
+    from transformers import AutoTokenizer
+
+    from jaxrunner.server.chat_templates import CHATML, load_chat_template
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert load_chat_template(str(path)) == path.read_text()
+    assert load_chat_template("chatml") == CHATML
+    with pytest.raises(ValueError, match="neither a file nor a built-in"):
+        load_chat_template("no-such-template")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True, chat_template=CHATML)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
