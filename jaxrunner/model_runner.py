@@ -309,6 +309,11 @@ class ModelRunner:
         progress.close()
         if not self.abstract:
             jax.block_until_ready(self.token_to_kv_pool.kv_cache)  # the zeros, written meanwhile
+            # Every host-to-device upload shape of sampling, now: in a multi-process run each
+            # new shape's first upload compiles a check that all processes pass the same data.
+            for size in sizes:
+                self.no_vocab_mask(size)
+            self.init_slots([[]] * self.parallel.dp_size if self.parallel.dp_size > 1 else [])
         self.warm_compile_count = self.compile_monitor.count
 
     def _program_fingerprint(self) -> tuple:
