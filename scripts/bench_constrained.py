@@ -49,11 +49,12 @@ def workload(args, vocab: int):
                for _ in range(args.num_prompts)]
     # More characters than `output_len` tokens can hold: no grammar completes (or allows EOS)
     # before the budget runs out, so both runs produce the same number of tokens.
-    n = 32 * args.output_len
+    chars = 32 * args.output_len
     schema = json.dumps({"type": "object", "properties": {"text": {
-        "type": "string", "minLength": n}}, "required": ["text"], "additionalProperties": False})
-    regex = f"[a-z ]{{{n},}}\\."
-    base = {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}
+        "type": "string", "minLength": chars}}, "required": ["text"],
+        "additionalProperties": False})
+    regex = f"[a-z ]{{{chars},}}\\."
+    base = {"max_new_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True}
     free = [dict(base, seed=i) for i in range(args.num_prompts)]
     constrained = [dict(p, **({"json_schema": schema} if i % 2 else {"regex": regex}))
                    for i, p in enumerate(free)]
