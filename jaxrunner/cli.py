@@ -14,8 +14,10 @@ import typing
 import uvicorn
 
 from jaxrunner.config import EngineArgs
+from jaxrunner.distributed import LockstepEngine
 from jaxrunner.engine import Engine
-from jaxrunner.server.app import build_app
+from jaxrunner.server import reasoning, tool_calls
+from jaxrunner.server.app import MAX_PAYLOAD_SIZE, build_app
 
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=30000)
 
@@ -82,6 +84,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "they are aborted (their streams then end with finish_reason "
                              "\"abort\")")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every route but /health")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file, or a built-in name (chatml), for "
+                             "checkpoints whose tokenizer has none or to replace it")
+    parser.add_argument("--max-payload-size", type=int, default=MAX_PAYLOAD_SIZE,
+                        help="the largest request body in bytes; larger ones get 413")
+    parser.add_argument("--tool-call-parser", default=None, choices=tool_calls.PARSERS,
+                        help="how tool calls are read from the output (tool_choice='auto')")
+    parser.add_argument("--reasoning-parser", default=None, choices=reasoning.PARSERS,
+                        help="split <think> reasoning into reasoning_content")
     add_engine_args(parser)
 
 
@@ -91,7 +104,16 @@ def serve(ns: argparse.Namespace) -> None:
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(**engine_args_from(ns))
-    app = build_app(engine, ns.served_model_name)
+    if ns.nnodes > 1:
+        # Multi-host: every rank steps the engine in lock-step; rank 0 alone serves HTTP.
+        engine = LockstepEngine(engine)
+        if not engine.is_leader:
+            logging.getLogger(__name__).info("rank %d follows rank 0", ns.node_rank)
+            engine.follow()
+            return
+    app = build_app(engine, ns.served_model_name, api_key=ns.api_key,
+                    chat_template=ns.chat_template, max_payload_size=ns.max_payload_size,
+                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
     # Uvicorn's own deadline comes later than ours, so aborted streams can send their last chunk.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10, access_log=False)

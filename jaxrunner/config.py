@@ -87,6 +87,10 @@ class EngineArgs:
 
     # Seeds the random seeds of requests that don't bring their own.
     random_seed: int = 0
+    # JSON-schema constrained output (SGLang's names): the whitespace allowed between JSON
+    # tokens as a regex (None: llguidance's default, any JSON whitespace), or none at all.
+    constrained_json_whitespace_pattern: str | None = None
+    constrained_json_disable_any_whitespace: bool = False
 
     # Speculative decoding (jaxrunner/speculative/, SGLang's names): None, "EAGLE", "EAGLE3",
     # "STANDALONE" (any model the engine serves as the draft) or "NGRAM" (continuations of the

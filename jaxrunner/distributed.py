@@ -15,6 +15,10 @@ runs the same deterministic scheduler, so all of them build the same batches.
         lockstep.shutdown()  # releases the followers
     else:
         lockstep.follow()    # returns when the leader shuts down
+
+`jaxrunner serve --nnodes N --node-rank R --dist-init-addr HOST:PORT` serves HTTP this way:
+rank 0 runs the front end with a `LockstepEngine` in place of the engine (it has the verbs the
+server's engine loop calls), the other ranks only `follow()`.
 """
 
 import pickle
@@ -89,12 +93,27 @@ class LockstepEngine:
             multihost_utils.broadcast_one_to_all(np.zeros(_CHUNK_BYTES, np.uint8))
             monitor.forbidden = forbidden
 
+    def __getattr__(self, name):
+        # The engine's read-only facts (tokenizer, model_config, args, ...) and
+        # `make_request`, which only validates: what the server reads of its engine.
+        return getattr(self.engine, name)
+
     # ---- the leader ----
 
-    def add_request(self, input_ids, sampling_params=None, return_logprob=False) -> Req:
-        req = self.engine.add_request(input_ids, sampling_params, return_logprob)
+    def add_request(self, input_ids, sampling_params=None, return_logprob=False,
+                    **options) -> Req:
+        req = self.engine.add_request(input_ids, sampling_params, return_logprob, **options)
         self._pending.add.append(req)
         return req
+
+    def enqueue(self, req: Req) -> None:
+        """Queues a request from `make_request` here and, at the next step, on every rank."""
+        self.engine.enqueue(req)
+        self._pending.add.append(req)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests
 
     def abort_request(self, req: Req) -> None:
         self.engine.abort_request(req)
@@ -131,6 +150,8 @@ class LockstepEngine:
                 self.engine.shutdown()
                 return
             for req in message.add:
+                if req.grammar is not None:  # pickled as its key: rebuilt from our cache
+                    req.grammar = self.engine.grammar_cache.rebuild(req.grammar)
                 self._reqs[req.rid] = req
                 self.engine.scheduler.add_request(req)
             for rid in message.abort:

@@ -25,13 +25,27 @@ from jaxrunner.schedule_batch import ModelWorkerBatch, ScheduleBatch
 
 @dataclass
 class RankResult:
-    """One rank's share of a joint step, already on the host."""
+    """One rank's share of a joint step: its tokens already on the host, the rest read on
+    demand from the joint result (row `rank` of its [dp, ...] arrays)."""
 
     next_token_ids: np.ndarray
     logprobs: np.ndarray
+    joint: object                 # the step's GenerationBatchResult
+    rank: int
+    num_reqs: int
+    num_tokens: int
 
     def copy_to_host(self) -> tuple[np.ndarray, np.ndarray]:
         return self.next_token_ids, self.logprobs
+
+    def top_logprobs_to_host(self) -> tuple[np.ndarray, np.ndarray]:
+        ids, lps = self.joint.top_logprobs_to_host()
+        return ids[self.rank, :self.num_reqs], lps[self.rank, :self.num_reqs]
+
+    def input_logprobs_to_host(self):
+        lps, ids, tops = self.joint.input_logprobs_to_host()
+        t = self.num_tokens
+        return lps[self.rank, :t], ids[self.rank, :t], tops[self.rank, :t]
 
 
 def stack_worker_batches(workers: list[ModelWorkerBatch], prev_tokens: jax.Array,
@@ -43,7 +57,7 @@ def stack_worker_batches(workers: list[ModelWorkerBatch], prev_tokens: jax.Array
         return np.stack([getattr(w, name) for w in workers])
 
     names = ("input_ids", "input_token_src", "out_cache_loc", "seq_lens", "extend_seq_lens",
-             "extend_prefix_lens", "page_table", "input_embeds_src")
+             "extend_prefix_lens", "page_table", "input_embeds_src", "logprob_target_ids")
     host = tuple(stack(n) for n in names) + (
         jax.tree.map(lambda *xs: np.stack(xs), *[w.sampling for w in workers]),)
     *arrays, sampling = jax.device_put(host, sharding)
@@ -82,16 +96,23 @@ class DataParallelWorker:
                                               runner.max_pages_per_req)
                 for b in batches]
 
-    def forward_batch_generation(self, batches: list[ModelWorkerBatch]) -> list[RankResult]:
+    def forward_batch_generation(self, batches: list[ModelWorkerBatch],
+                                 vocab_masks: list[np.ndarray] | None = None
+                                 ) -> list[RankResult]:
         """One padded batch per rank (all of one bucket) -> each rank's (token ids, logprobs)
-        of its real requests, read back (overlap is off under DP)."""
+        of its real requests, read back (overlap is off under DP). `vocab_masks`: each rank's
+        grammar bitmask, when some rank has a constrained request."""
         if len(batches) != self.dp_size:
             raise ValueError(f"{len(batches)} batches for {self.dp_size} DP ranks")
         runner = self.worker.model_runner
         fb, sampling = stack_worker_batches(batches, runner.no_prev_tokens,
                                             runner.input_embeds_for(*batches),
                                             runner.parallel.batch)
-        result = self.worker.forward(fb, sampling, runner.max_batch_rows)
+        mask_fn = None if vocab_masks is None else (lambda: np.stack(vocab_masks))
+        width = max(w.num_tokens for w in batches)
+        result = self.worker.forward(fb, sampling, runner.max_batch_rows, width,
+                                     [w.slot_entries for w in batches], mask_fn)
         tokens, logprobs = result.copy_to_host()
-        return [RankResult(tokens[r, :w.num_reqs], logprobs[r, :w.num_reqs])
+        return [RankResult(tokens[r, :w.num_reqs], logprobs[r, :w.num_reqs], result, r,
+                           w.num_reqs, w.num_tokens)
                 for r, w in enumerate(batches)]

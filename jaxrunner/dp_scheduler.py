@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from jaxrunner.dp_attention import DataParallelWorker
 from jaxrunner.model_worker import ModelWorker
+from jaxrunner.request_output import fill_vocab_mask
 from jaxrunner.schedule_batch import Req
 from jaxrunner.scheduler import Scheduler
 
@@ -82,7 +83,9 @@ class DataParallelScheduler:
             return []
         self.forward_ct += 1
         self.num_idle_rank_steps += len(batches) - active
-        results = self.dp_worker.forward_batch_generation(self.dp_worker.worker_batches(batches))
+        worker_batches = self.dp_worker.worker_batches(batches)
+        results = self.dp_worker.forward_batch_generation(worker_batches,
+                                                          self._vocab_masks(batches, worker_batches))
         updated = []
         for rank, batch, result in zip(self.ranks, batches, results):
             if batch is not None:
@@ -91,3 +94,13 @@ class DataParallelScheduler:
             if req.finished:
                 self._rank_of.pop(req.rid, None)
         return updated
+
+    def _vocab_masks(self, batches, worker_batches):
+        """Each rank's grammar bitmask (overlap is off, so every token is known), or None when
+        no rank has a constrained request."""
+        if not any(b is not None and any(r.grammar is not None for r in b.reqs)
+                   for b in batches):
+            return None
+        vocab = self.dp_worker.worker.vocab_size
+        return [fill_vocab_mask(b.reqs if b is not None else [], w.bucket.num_reqs, vocab)
+                for b, w in zip(batches, worker_batches)]

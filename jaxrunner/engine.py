@@ -1,9 +1,6 @@
 """The offline engine: SGLang's `Engine.generate` API over the scheduler, in this process."""
 
 import gc
-import itertools
-import numbers
-import random
 
 from tqdm.auto import tqdm
 
@@ -11,9 +8,10 @@ from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.dp_scheduler import DataParallelScheduler
 from jaxrunner.engine_lifecycle import EngineLifecycle, EngineNotReadyError
+from jaxrunner.grammar import GrammarCache
 from jaxrunner.input_embeds import EmbedOverride, make_override, split_prompts
 from jaxrunner.model_worker import create_worker
-from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.request_factory import RequestFactory
 from jaxrunner.schedule_batch import Req
 from jaxrunner.scheduler import Scheduler
 from jaxrunner.tokenizer import load_tokenizer
@@ -52,9 +50,17 @@ class Engine(EngineLifecycle):
         else:
             self.scheduler = Scheduler(self.worker, decode_text)
             self._rank_schedulers = [self.scheduler]
-        self._rids = itertools.count()
-        self._seeds = random.Random(self.args.random_seed)
         self.weight_version = self.args.weight_version
+        cfg = self.model_config
+        self.grammar_cache = None if self.tokenizer is None else GrammarCache(
+            self.tokenizer, cfg.vocab_size, cfg.eos_token_ids,
+            json_whitespace_pattern=self.args.constrained_json_whitespace_pattern,
+            json_disable_any_whitespace=self.args.constrained_json_disable_any_whitespace)
+        # Validation, ids and seeds of every request (the server's too).
+        self.request_factory = RequestFactory(cfg.vocab_size, cfg.eos_token_ids, self.max_req_len,
+                                              self.grammar_cache, self.tokenizer is not None,
+                                              self.args.random_seed,
+                                              speculative=self.args.speculative_algorithm)
         # Start-up objects (model, executables, tokenizer) live as long as the engine: freezing
         # them keeps the cyclic GC's full collections, which pause a step for ~0.3 s here, short.
         gc.collect()
@@ -82,6 +88,7 @@ class Engine(EngineLifecycle):
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None,
                  return_logprob: bool | list[bool] = False, priority: int | list[int] = 0,
+                 top_logprobs_num: int | list[int] = 0, logprob_start_len: int | list[int] = -1,
                  show_progress: bool = False, input_embeds=None, replace_embeds=None,
                  replace_positions=None):
         """Generates for one prompt (a dict back) or a list of prompts (a list of dicts back).
@@ -92,28 +99,36 @@ class Engine(EngineLifecycle):
         the other). `replace_embeds` [k, hidden_size] replace the embeddings of the prompt
         positions `replace_positions` (k ints), per request (lists, None for none), as
         multimodal models place image features. `sampling_params` is a dict of
-        `SamplingParams` fields, or a list of dicts, one per request. Every request is
-        validated before any runs: a bad one raises ValueError naming it, and nothing is
-        enqueued; while the memory is released it raises EngineNotReadyError.
+        `SamplingParams` fields, or a list of dicts, one per request; its `n` > 1 gives that
+        many samples of the prompt, one after another in the output list. `return_logprob`
+        adds log-probabilities of the output tokens, with `top_logprobs_num` alternatives each,
+        and of the prompt from `logprob_start_len` (-1: none), as SGLang's `/generate` does.
+        Every request is validated before any runs: a bad one raises ValueError naming it, and
+        nothing is enqueued; while the memory is released it raises EngineNotReadyError.
         `show_progress` draws a progress bar of finished requests.
         """
         self._check_serving()
         single, prompts, embeds = self._normalize_prompts(prompt, input_ids, input_embeds)
         n = len(prompts)
-        params = self._per_request(sampling_params, n, "sampling_params", default={})
-        logprob_flags = self._per_request(return_logprob, n, "return_logprob", default=False)
-        priorities = self._per_request(priority, n, "priority", default=0)
-        replaced = self._per_request(replace_embeds if not single else [replace_embeds], n,
-                                     "replace_embeds", default=None)
-        positions = self._per_request(replace_positions if not single else [replace_positions],
-                                      n, "replace_positions", default=None)
+        per_request = [self._per_request(v, n, name, default) for v, name, default in (
+            (sampling_params, "sampling_params", {}), (return_logprob, "return_logprob", False),
+            (priority, "priority", 0), (top_logprobs_num, "top_logprobs_num", 0),
+            (logprob_start_len, "logprob_start_len", -1),
+            (replace_embeds if not single else [replace_embeds], "replace_embeds", None),
+            (replace_positions if not single else [replace_positions], "replace_positions",
+             None))]
         reqs = []
-        for i, (ids, p, lp, prio) in enumerate(zip(prompts, params, logprob_flags, priorities)):
+        for i, (ids, p, lp, prio, top, start, replaced, positions) in enumerate(
+                zip(prompts, *per_request)):
             try:
-                override = self._override(len(ids), embeds[i], replaced[i], positions[i])
-                reqs.append(self._make_req(ids, p, lp, prio, override))
+                override = self._override(len(ids), embeds[i], replaced, positions)
+                group = self.request_factory.make_group(
+                    ids, p, return_logprob=lp, priority=prio, top_logprobs_num=top,
+                    logprob_start_len=start, embed_override=override)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
+            reqs += group
+        single = single and len(reqs) == 1
         for req in reqs:
             self.scheduler.add_request(req)
         progress = tqdm(total=len(reqs), desc="generating", disable=not show_progress)
@@ -125,9 +140,10 @@ class Engine(EngineLifecycle):
 
     def add_request(self, input_ids: list[int] | None, sampling_params=None,
                     return_logprob: bool = False, priority: int = 0, input_embeds=None,
-                    replace_embeds=None, replace_positions=None) -> Req:
+                    replace_embeds=None, replace_positions=None, **logprob_options) -> Req:
         """Queues one request without running it (the low-level API under `generate`; the
-        prompt is `input_ids` or `input_embeds`, as there).
+        prompt is `input_ids` or `input_embeds`, as there); `logprob_options`:
+        `top_logprobs_num`, `logprob_start_len`.
 
         Raises ValueError, naming the problem, for a request that cannot be served, and
         EngineNotReadyError while the memory is released.
@@ -139,9 +155,26 @@ class Engine(EngineLifecycle):
         else:
             ids, embeds = list(input_ids), None
         override = self._override(len(ids), embeds, replace_embeds, replace_positions)
-        req = self._make_req(ids, sampling_params or {}, return_logprob, priority, override)
-        self.scheduler.add_request(req)
+        req = self.make_request(ids, sampling_params, return_logprob=return_logprob,
+                                priority=priority, embed_override=override, **logprob_options)
+        self.enqueue(req)
         return req
+
+    def make_request(self, input_ids: list[int], sampling_params=None, input_embeds=None,
+                     **options) -> Req:
+        """A validated request (grammar compiled, id and seed drawn), not queued; thread-safe,
+        so a server makes them off the thread that steps the engine. `input_embeds`: the
+        prompt as embeddings (`input_ids` then placeholders of its length); `options` are
+        `RequestFactory.make`'s."""
+        self._check_serving()
+        if input_embeds is not None:
+            options["embed_override"] = self._override(len(input_ids), input_embeds, None, None)
+        return self.request_factory.make(input_ids, sampling_params, **options)
+
+    def enqueue(self, req: Req) -> None:
+        """Queues a request from `make_request`."""
+        self._check_serving()
+        self.scheduler.add_request(req)
 
     def step(self) -> list[Req]:
         """Runs one scheduler step; returns the requests that got a new token in it (check
@@ -220,35 +253,8 @@ class Engine(EngineLifecycle):
         if blocker is not None:
             raise EngineNotReadyError(f"cannot take requests: {blocker}")
 
-    def _make_req(self, ids: list[int], params, return_logprob: bool, priority: int,
-                  embed_override: EmbedOverride | None = None) -> Req:
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise ValueError("empty prompt")
-        for t in ids:
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        ids = [int(t) for t in ids]
-        if len(ids) >= self.max_req_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length "
-                             f"{self.max_req_len} (it must leave room for one new token)")
-        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a dict")
-        params.verify(vocab)
-        params = params.normalized()
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        return Req(rid=next(self._rids), origin_input_ids=ids, sampling_params=params, seed=seed,
-                   max_new_tokens=min(params.max_new_tokens, self.max_req_len - len(ids)),
-                   eos_token_ids=frozenset(self.model_config.eos_token_ids),
-                   return_logprob=bool(return_logprob), priority=int(priority),
-                   embed_override=embed_override)
-
     def output(self, req: Req) -> dict:
-        """The result dict of a finished request."""
+        """The result dict of a finished request (SGLang's `meta_info` keys)."""
         meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
                 "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
                 "finish_reason": req.finished_reason, "weight_version": self.weight_version}
@@ -256,8 +262,7 @@ class Engine(EngineLifecycle):
             # SGLang's: verify rounds, so accept length = completion_tokens / spec_verify_ct.
             meta["spec_verify_ct"] = req.spec_verify_ct
         if req.return_logprob:
-            meta["output_token_logprobs"] = [(lp, t, None)
-                                             for lp, t in zip(req.output_logprobs, req.output_ids)]
+            meta.update(logprob_meta(req))
         out = {"output_ids": list(req.output_ids), "meta_info": meta}
         if self.tokenizer is not None:
             out["text"] = (req.stopped_text if req.stopped_text is not None
@@ -331,3 +336,24 @@ class Engine(EngineLifecycle):
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def logprob_meta(req: Req) -> dict:
+    """SGLang's log-probability entries of a request's `meta_info`: lists of (logprob, token id,
+    None) tuples (the server may put the token's text in the third place)."""
+    meta = {"output_token_logprobs": [(lp, t, None)
+                                      for lp, t in zip(req.output_logprobs, req.output_ids)]}
+    if req.top_logprobs_num:
+        meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in top]
+                                       for top in req.output_top_logprobs]
+    if req.logprob_start_len >= 0:
+        start, prompt = req.logprob_start_len, req.origin_input_ids
+        lps = req.input_token_logprobs or [None] * len(prompt)
+        meta["input_token_logprobs"] = [(lps[p], prompt[p], None)
+                                        for p in range(start, len(prompt))]
+        if req.top_logprobs_num:
+            tops = req.input_top_logprobs or [None] * len(prompt)
+            meta["input_top_logprobs"] = [None if tops[p] is None else
+                                          [(lp, t, None) for lp, t in tops[p]]
+                                          for p in range(start, len(prompt))]
+    return meta

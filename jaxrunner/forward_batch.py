@@ -50,6 +50,9 @@ class ForwardBatch:
     page_table: jax.Array          # i32[R, P]: KV pages of each request
     input_embeds_src: jax.Array    # i32[T]: row of input_embeds replacing the token's embedding, or -1
     input_embeds: jax.Array        # [C, D] model dtype: this step's override rows (else resident zeros)
+    # i32[T]: the prompt token after each token, whose log-probability the step returns
+    # (prompt logprobs); -1 where none is wanted.
+    logprob_target_ids: jax.Array
     # What a speculative mode needs besides (jaxrunner/speculative/spec_info.py); None else.
     spec_info: object = None
 
@@ -80,17 +83,19 @@ class ForwardBatch:
         batch's override rows (`ModelRunner.input_embeds_for`).
         """
         (input_ids, input_token_src, out_cache_loc, seq_lens, extend_seq_lens,
-         extend_prefix_lens, page_table, input_embeds_src, sampling) = jax.device_put(
+         extend_prefix_lens, page_table, input_embeds_src, logprob_target_ids,
+         sampling) = jax.device_put(
             (batch.input_ids, batch.input_token_src, batch.out_cache_loc, batch.seq_lens,
              batch.extend_seq_lens, batch.extend_prefix_lens, batch.page_table,
-             batch.input_embeds_src, batch.sampling), sharding)
+             batch.input_embeds_src, batch.logprob_target_ids, batch.sampling), sharding)
         forward_batch = cls(
             forward_mode=batch.forward_mode, capture_hidden_mode=batch.capture_hidden_mode,
             batch_size=batch.bucket.num_reqs, input_ids=input_ids,
             input_token_src=input_token_src, prev_tokens=prev_tokens,
             out_cache_loc=out_cache_loc, seq_lens=seq_lens, extend_seq_lens=extend_seq_lens,
             extend_prefix_lens=extend_prefix_lens, page_table=page_table,
-            input_embeds_src=input_embeds_src, input_embeds=input_embeds)
+            input_embeds_src=input_embeds_src, input_embeds=input_embeds,
+            logprob_target_ids=logprob_target_ids)
         return forward_batch, sampling
 
     def embed_inputs(self, embed_tokens) -> jax.Array:

@@ -3,8 +3,10 @@
 Initialisation follows SGLang's order: load model -> configure KV dtype -> init memory pool ->
 init attention backend -> precompile (SGLang's CUDA-graph capture). `forward` sends each
 `ForwardMode` to a path of its own (the seed's `_forward_raw`) and replays the executable of the
-batch's bucket; `sample` is a separate executable per padded request count. It knows nothing
-about scheduling policy.
+batch's bucket; `sample` is a separate executable per padded request count
+(jaxrunner/sampling_step.py), threading the request slots' sampling state (penalties, logit bias:
+jaxrunner/penalties.py) as the steps thread the KV cache. It knows nothing about scheduling
+policy.
 
 `compile_only` builds a runner from shapes alone and compiles every bucket; `lower_only` builds one
 for a TPU or GPU this machine need not have and lowers a bucket's programs on request
@@ -40,7 +42,12 @@ from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_weights import ModelWeights
 from jaxrunner.parallel import (DATA_AXIS, TENSOR_AXIS, Parallelism, check_ep_size,
                                 data_parallel_step, expert_axes, manual_specs)
-from jaxrunner.sampler import SamplingBatch, abstract_sampling_batch, sample
+from jaxrunner.penalties import (INIT_ROWS, INIT_TOKENS, SlotState, init_slots, slot_init_spec,
+                                 slot_state_bytes, slot_state_spec, zeros_slot_state)
+from jaxrunner.sampler import SamplingBatch, abstract_sampling_batch
+from jaxrunner.sampling_batch import SlotEntry, SlotInit
+from jaxrunner.sampling_step import (TOP_LOGPROBS, SamplerOutput, sampling_step,
+                                     vocab_mask_width)
 from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.spec_info import VerifyInput
 from jaxrunner.speculative.steps import captured_hidden, verify_step
@@ -63,7 +70,9 @@ _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", 
                          "enable_eplb", "eplb_rebalance_num_iterations",
                          "expert_distribution_recorder_mode",
                          "expert_distribution_recorder_buffer_size",
-                         "expert_distribution_recorder_dir")
+                         "expert_distribution_recorder_dir",
+                         "constrained_json_whitespace_pattern",
+                         "constrained_json_disable_any_whitespace")
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +82,12 @@ class LogitsOutput:
     hidden_states: jax.Array      # [T, D] with CaptureHiddenMode.FULL, [R, D] with LAST, else [0, D]
     # i32[MoE layers, P]: (token, choice) pairs routed to each expert slot ([0, P] if dense)
     expert_counts: jax.Array
+    # Prompt log-probabilities (extend steps; [0]-sized in decode): at token t, log p of the
+    # token `fb.logprob_target_ids[t]` (the prompt's next token) and the TOP_LOGPROBS most
+    # likely tokens; zeros unless some token has a target.
+    input_token_logprobs: jax.Array  # f32[T]
+    input_top_ids: jax.Array         # i32[T, TOP_LOGPROBS]
+    input_top_logprobs: jax.Array    # f32[T, TOP_LOGPROBS]
 
 
 class ForwardModeNotImplemented(NotImplementedError):
@@ -108,8 +123,15 @@ def _forward_step(graphdef, backend, moe_runner, aux_layers, state, kv_cache, fb
         captured = captured[fb.last_token_indices]
     elif not capture.is_full():
         captured = captured[:0]
-    return (LogitsOutput(model.compute_logits(last_hidden), captured, expert_counts),
-            kv_cache)
+    if fb.forward_mode.is_decode():  # decode tokens are outputs: nothing of the prompt's
+        input_logprobs = _no_input_logprobs(0)
+    else:
+        input_logprobs = jax.lax.cond(
+            jnp.any(fb.logprob_target_ids >= 0),
+            lambda: _input_logprobs(model, hidden, fb.logprob_target_ids),
+            lambda: _no_input_logprobs(fb.num_tokens))
+    return LogitsOutput(model.compute_logits(last_hidden), captured, expert_counts,
+                        *input_logprobs), kv_cache
 
 
 def _accumulate_counts(total, counts):
@@ -117,10 +139,28 @@ def _accumulate_counts(total, counts):
     return total + counts.reshape((-1,) + total.shape).sum(0)
 
 
-def _sample_padded(logits, sampling: SamplingBatch, *, num_rows: int):
-    tokens, logprobs = sample(logits, sampling)
-    pad = (0, num_rows - tokens.shape[0])
-    return jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
+def _no_input_logprobs(num_tokens: int):
+    return (jnp.zeros(num_tokens, jnp.float32), jnp.zeros((num_tokens, TOP_LOGPROBS), jnp.int32),
+            jnp.zeros((num_tokens, TOP_LOGPROBS), jnp.float32))
+
+
+def _input_logprobs(model, hidden, targets):
+    """Every token's log p(target) and top alternatives, a block of tokens at a time so the
+    [tokens, V] logits stay small."""
+    T = hidden.shape[0]
+    block = next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if T % b == 0)
+
+    def one_block(args):
+        h, t = args
+        logits = model.compute_logits(h)  # f32[block, V]
+        normaliser = jax.nn.logsumexp(logits, axis=-1)
+        chosen = jnp.take_along_axis(logits, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+        values, ids = jax.lax.top_k(logits, TOP_LOGPROBS)
+        return chosen - normaliser, ids.astype(jnp.int32), values - normaliser[:, None]
+
+    lps, ids, tops = jax.lax.map(one_block, (hidden.reshape(T // block, block, -1),
+                                             targets.reshape(T // block, block)))
+    return lps.reshape(T), ids.reshape(T, TOP_LOGPROBS), tops.reshape(T, TOP_LOGPROBS)
 
 
 class ModelRunner:
@@ -278,6 +318,9 @@ class ModelRunner:
                              f"is no device memory to size the KV cache from")
         else:
             budget = available_kv_memory(self.device, self.weights_bytes, args.mem_fraction_static)
+            # The request slots' sampling state (jaxrunner/penalties.py) comes out of it first.
+            budget -= self.parallel.dp_size * slot_state_bytes(args.max_running_requests + 1,
+                                                               cfg.vocab_size)
             max_total_tokens = budget // per_token
             if self.platform == "cpu":
                 # Host memory is shared with everything else, and more than every running
@@ -315,6 +358,12 @@ class ModelRunner:
                                               self.parallel.kv_cache, abstract=self.abstract)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, args.page_size,
                     self.token_to_kv_pool.bytes / 2**20)
+        state_sharding = self.parallel.batch if dp > 1 else self.parallel.replicated
+        self.slot_state_spec = self._per_dp_rank(slot_state_spec(slots, cfg.vocab_size),
+                                                 state_sharding)
+        self.slot_state: SlotState = (self.slot_state_spec if self.abstract else
+                                      zeros_slot_state(slots, cfg.vocab_size, state_sharding,
+                                                       dp_size=dp))
 
     def init_attention_backend(self) -> None:
         cfg = self.sharded_config
@@ -347,10 +396,12 @@ class ModelRunner:
         self.executables: dict[tuple[Bucket, CaptureHiddenMode], object] = {}
         self.sample_executables: dict[int, object] = {}
         sizes = self.sample_sizes()
-        progress = tqdm(total=len(self.buckets) + len(sizes), desc="compiling buckets",
-                        disable=not self.args.show_progress)
         jobs = [partial(self._compile_step, b, self.capture_for(b)) for b in self.buckets]
         jobs += [partial(self._compile_sampler, size) for size in sizes]
+        if sizes:  # a runner that samples keeps the request slots' sampling state
+            jobs.append(self._compile_slot_init)
+        progress = tqdm(total=len(jobs), desc="compiling buckets",
+                        disable=not self.args.show_progress)
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(job) for job in jobs]
             try:
@@ -366,6 +417,14 @@ class ModelRunner:
             self._compile_expert_programs(self._io_sharding)
         if not self.abstract:
             jax.block_until_ready(self.token_to_kv_pool.kv_cache)  # the zeros, written meanwhile
+            if sizes:
+                # Every host-to-device upload shape of sampling, now: in a multi-process run
+                # each new shape's first upload compiles a check that all processes pass the
+                # same data.
+                for size in sizes:
+                    self.no_vocab_mask(size)
+                self.init_slots([[]] * self.parallel.dp_size if self.parallel.dp_size > 1
+                                else [])
         self.warm_compile_count = self.compile_monitor.count
 
     def _build_programs(self) -> None:
@@ -376,6 +435,8 @@ class ModelRunner:
         # DP attention (jaxrunner/dp_attention.py): one step for all ranks, each over its row of
         # a [dp, ...] batch, sampling per rank.
         io_sharding = self.parallel.replicated
+        # What the sampler's inputs are uploaded with.
+        self.io_sharding = self.parallel.batch if self.parallel.dp_size > 1 else io_sharding
         # Every sampler returns max_batch_rows tokens, so the next step can read any row of
         # them on the device (overlapped scheduling) through one compiled shape.
         self.max_batch_rows = max(b.num_reqs for b in self.buckets)
@@ -385,14 +446,22 @@ class ModelRunner:
         self.input_embeds_shape = (max(b.num_tokens for b in self.buckets
                                        if b.mode == ForwardMode.EXTEND),
                                    self.sharded_config.hidden_size)
-        sample_fn = partial(_sample_padded, num_rows=self.max_batch_rows)
+        # What the sampler's inputs are uploaded with.
+        self.io_sharding = self.input_sharding
+        sample_fn = partial(sampling_step, num_rows=self.max_batch_rows)
+        init_fn = init_slots
         if self.parallel.dp_size > 1:
             io_sharding = self.parallel.batch
             sample_fn = jax.vmap(sample_fn)
+            init_fn = jax.vmap(init_fn)
         self._io_sharding = io_sharding
         self._step_fns = {mode: self.jit_step(mode) for mode in {b.mode for b in self.buckets}}
-        self._sample_fn = jax.jit(sample_fn, in_shardings=io_sharding,
+        # The slots' sampling state is donated like the KV cache: updated in place.
+        self._sample_fn = jax.jit(sample_fn, donate_argnums=(2,), in_shardings=io_sharding,
                                   out_shardings=io_sharding)
+        self._init_slots_fn = jax.jit(init_fn, donate_argnums=(0,), in_shardings=io_sharding,
+                                      out_shardings=io_sharding)
+        self._no_vocab_masks: dict[int, jax.Array] = {}
 
     def _compile_expert_programs(self, io_sharding) -> None:
         """A MoE model's small programs, compiled with the steps: summing the routed counts
@@ -482,9 +551,13 @@ class ModelRunner:
                 self._per_dp_rank(self.forward_batch_spec(bucket, capture)))
 
     def _sampler_args(self, size: int) -> tuple:
-        """The abstract (logits, SamplingBatch) the sampler of `size` rows is lowered from."""
-        logits = jax.ShapeDtypeStruct((size, self.model_config.vocab_size), jnp.float32)
-        return self._per_dp_rank(logits), self._per_dp_rank(abstract_sampling_batch(size))
+        """The abstract (logits, SamplingBatch, slot state, vocabulary mask) the sampler of
+        `size` rows is lowered from."""
+        vocab = self.model_config.vocab_size
+        logits = jax.ShapeDtypeStruct((size, vocab), jnp.float32)
+        mask = jax.ShapeDtypeStruct((size, vocab_mask_width(vocab)), jnp.int32)
+        return (self._per_dp_rank(logits), self._per_dp_rank(abstract_sampling_batch(size)),
+                self.slot_state_spec, self._per_dp_rank(mask))
 
     def _compile_step(self, bucket: Bucket, capture: CaptureHiddenMode):
         args = self._step_args(bucket, capture)
@@ -519,13 +592,21 @@ class ModelRunner:
             raise RuntimeError("export_step and export_sampler need a runner from lower_only")
         return self.lowering_target
 
+    def _compile_slot_init(self) -> None:
+        self.slot_init_executable = self._compiled(
+            f"slot init {INIT_ROWS}x{INIT_TOKENS}",
+            lambda: self._init_slots_fn.lower(self.slot_state_spec,
+                                              self._per_dp_rank(slot_init_spec())))
+
     def _per_dp_shape(self, *shape) -> tuple:
         return shape if self.parallel.dp_size == 1 else (self.parallel.dp_size, *shape)
 
-    def _per_dp_rank(self, specs):
-        """DP attention: every leaf of `specs` gets a leading [dp] axis over `data`."""
+    def _per_dp_rank(self, specs, sharding=None):
+        """DP attention: every leaf of `specs` gets a leading [dp] axis over `data`; else
+        `specs` as they are (with `sharding`, when given)."""
         if self.parallel.dp_size == 1:
-            return specs
+            return specs if sharding is None else jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), specs)
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
             (self.parallel.dp_size, *s.shape), s.dtype, sharding=self.parallel.batch), specs)
 
@@ -543,7 +624,7 @@ class ModelRunner:
             out_cache_loc=i32(T), seq_lens=i32(R), extend_seq_lens=i32(R),
             extend_prefix_lens=i32(R), page_table=i32(R, P), input_embeds_src=i32(T),
             input_embeds=jax.ShapeDtypeStruct(self.input_embeds_shape, self.dtype),
-            spec_info=self.spec_info_spec(bucket))
+            logprob_target_ids=i32(T), spec_info=self.spec_info_spec(bucket))
 
     def spec_info_spec(self, bucket: Bucket):
         """The abstract `ForwardBatch.spec_info` of a bucket (None outside speculative modes)."""
@@ -631,11 +712,41 @@ class ModelRunner:
         self.store_step_operands(tuple(donated))
         return output
 
-    def sample(self, logits_output: LogitsOutput, sampling: SamplingBatch):
-        """-> (token ids i32[max_batch_rows], logprobs f32[max_batch_rows]) on the device; rows
-        past the batch's are padding."""
+    def sample(self, logits_output: LogitsOutput, sampling: SamplingBatch,
+               vocab_mask: jax.Array | None = None) -> SamplerOutput:
+        """Samples on the device (tokens and logprobs padded to max_batch_rows); updates the
+        slots' sampling state. `vocab_mask` (i32[R, W] on the device) is the grammar bitmask of
+        the `sampling.constrained` rows; None when no row is constrained."""
         logits = logits_output.next_token_logits
-        return self.sample_executables[logits.shape[-2]](logits, sampling)
+        size = logits.shape[-2]
+        if vocab_mask is None:
+            vocab_mask = self.no_vocab_mask(size)
+        out, self.slot_state = self.sample_executables[size](logits, sampling, self.slot_state,
+                                                             vocab_mask)
+        return out
+
+    def no_vocab_mask(self, size: int) -> jax.Array:
+        """An all-allowed bitmask of `size` rows, made once per size and kept on the device, so
+        steps without a grammar upload none."""
+        mask = self._no_vocab_masks.get(size)
+        if mask is None:
+            shape = self._per_dp_shape(size, vocab_mask_width(self.model_config.vocab_size))
+            mask = jax.device_put(np.full(shape, -1, np.int32), self.io_sharding)
+            self._no_vocab_masks[size] = mask
+        return mask
+
+    def init_slots(self, entries: list[SlotEntry] | list[list[SlotEntry]]) -> None:
+        """(Re)initialises request slots' sampling state (jaxrunner/penalties.py): a list of
+        entries, or under DP attention one list per rank."""
+        per_rank = entries if self.parallel.dp_size > 1 else [entries]
+        calls = [SlotInit.pack(e, INIT_ROWS, INIT_TOKENS) for e in per_rank]
+        for i in range(max(len(c) for c in calls)):
+            inits = [c[i] if i < len(c) else SlotInit.pack([], INIT_ROWS, INIT_TOKENS)[0]
+                     for c in calls]
+            init = inits[0] if self.parallel.dp_size == 1 else jax.tree.map(
+                lambda *xs: np.stack(xs), *inits)
+            self.slot_state = self.slot_init_executable(
+                self.slot_state, jax.device_put(init, self.io_sharding))
 
     def pick_bucket(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
         """The precompiled bucket a batch of `mode` pads to."""

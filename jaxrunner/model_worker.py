@@ -6,12 +6,18 @@ to the device as a `ForwardBatch`, runs `ModelRunner.forward` and `sample`, and 
 overlapped scheduling the next batch is launched before that: its tokens still on the device are
 read from the previous result (`ModelWorkerBatch.input_token_src` rows of its sampled tokens).
 
+A batch with grammar-constrained requests passes `vocab_mask_fn`: the worker launches the forward
+step first and only then asks for the token bitmask, so the host can learn the previous step's
+tokens (which the mask depends on) and advance the grammars while the device runs the model;
+the sampler, which needs the mask, is launched after.
+
 Every path that runs a batch goes through these verbs: the scheduler, DP attention
 (`jaxrunner/dp_attention.py`), the benchmarks and the tests. For a MoE model the worker also
 hands each step's routed counts to the expert distribution recorder and to EPLB, which may move
 experts between steps (`jaxrunner/eplb.py`).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -26,6 +32,7 @@ from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_runner import LogitsOutput, ModelRunner
+from jaxrunner.sampling_step import SamplerOutput
 from jaxrunner.schedule_batch import ModelWorkerBatch
 from models.config import ModelConfig
 
@@ -44,15 +51,36 @@ def create_worker(args: EngineArgs, model_config: ModelConfig,
 class GenerationBatchResult:
     """What one launched step produced, still on the device."""
 
-    next_token_ids: jax.Array      # i32[max_batch_rows]: row i is request i's sample
-    logprobs: jax.Array            # f32[max_batch_rows]: log p(token) under the model
-    logits_output: LogitsOutput    # logits, and hidden states when the batch asked for them
+    sampler_output: SamplerOutput  # tokens, logprobs and top alternatives of every row
+    logits_output: LogitsOutput    # logits, prompt logprobs, hidden states when asked for
     num_reqs: int                  # real rows
+    num_tokens: int = 0            # real tokens
+
+    @property
+    def next_token_ids(self) -> jax.Array:
+        """i32[max_batch_rows]: row i is request i's sample (the next step may read it)."""
+        return self.sampler_output.tokens
 
     def copy_to_host(self) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, logprobs) of the real rows; waits for the step."""
-        return (np.asarray(self.next_token_ids)[..., :self.num_reqs],
-                np.asarray(self.logprobs)[..., :self.num_reqs])
+        out = self.sampler_output
+        return (np.asarray(out.tokens)[..., :self.num_reqs],
+                np.asarray(out.logprobs)[..., :self.num_reqs])
+
+    def top_logprobs_to_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids i32[n, TOP_LOGPROBS], logprobs f32[n, TOP_LOGPROBS]) of the real rows' most
+        likely tokens; read only when some request asked for them."""
+        out = self.sampler_output
+        return (np.asarray(out.top_ids)[..., :self.num_reqs, :],
+                np.asarray(out.top_logprobs)[..., :self.num_reqs, :])
+
+    def input_logprobs_to_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The real tokens' prompt logprobs: (f32[t], top ids i32[t, K], top logprobs
+        f32[t, K]); read only when some request asked for them."""
+        out, t = self.logits_output, self.num_tokens
+        return (np.asarray(out.input_token_logprobs)[..., :t],
+                np.asarray(out.input_top_ids)[..., :t, :],
+                np.asarray(out.input_top_logprobs)[..., :t, :])
 
 
 class ModelWorker:
@@ -91,6 +119,11 @@ class ModelWorker:
         return self.model_runner.context_len
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the logits: the width of a token bitmask (grammars)."""
+        return self.model_runner.model_config.vocab_size
+
+    @property
     def dp_size(self) -> int:
         return self.model_runner.parallel.dp_size
 
@@ -104,11 +137,14 @@ class ModelWorker:
 
     # ---- running a batch ----
 
-    def forward_batch_generation(self, batch: ModelWorkerBatch,
-                                 prev: GenerationBatchResult | None = None
-                                 ) -> GenerationBatchResult:
+    def forward_batch_generation(
+            self, batch: ModelWorkerBatch, prev: GenerationBatchResult | None = None,
+            vocab_mask_fn: Callable[[], np.ndarray | None] | None = None
+    ) -> GenerationBatchResult:
         """Launches `batch` (padded to its bucket) and returns without waiting for the device.
-        `prev` is the step in flight whose samples `batch.input_token_src` points into."""
+        `prev` is the step in flight whose samples `batch.input_token_src` points into.
+        `vocab_mask_fn`, called once the forward step is launched, returns the token bitmask of
+        the batch's constrained rows (i32[R, ceil(V / 32)]) or None."""
         runner = self.model_runner
         if runner.parallel.dp_size > 1:
             raise ValueError("a runner with dp_size > 1 runs batches through "
@@ -116,16 +152,24 @@ class ModelWorker:
         prev_tokens = runner.no_prev_tokens if prev is None else prev.next_token_ids
         forward_batch, sampling = ForwardBatch.init_new(batch, prev_tokens,
                                                         runner.input_embeds_for(batch))
-        return self.forward(forward_batch, sampling, batch.num_reqs)
+        return self.forward(forward_batch, sampling, batch.num_reqs, batch.num_tokens,
+                            batch.slot_entries, vocab_mask_fn)
 
-    def forward(self, forward_batch: ForwardBatch, sampling, num_reqs: int
-                ) -> GenerationBatchResult:
-        """Runs an uploaded forward batch and samples it."""
+    def forward(self, forward_batch: ForwardBatch, sampling, num_reqs: int, num_tokens: int = 0,
+                slot_entries=(), vocab_mask_fn=None) -> GenerationBatchResult:
+        """Runs an uploaded forward batch, (re)initialises the request slots that start using
+        the sampling state (`slot_entries`), and samples."""
         runner = self.model_runner
         logits_output = runner.forward(forward_batch)
-        tokens, logprobs = runner.sample(logits_output, sampling)
+        if any(slot_entries):
+            runner.init_slots(slot_entries)
+        vocab_mask = None
+        host_mask = vocab_mask_fn() if vocab_mask_fn is not None else None
+        if host_mask is not None:
+            vocab_mask = jax.device_put(host_mask, runner.io_sharding)
+        out = runner.sample(logits_output, sampling, vocab_mask)
         if self.eplb_manager is not None:
             # The recorder first: a rebalance after this pass must not relabel its counts.
             self.expert_recorder.on_forward_pass(logits_output.expert_counts)
             self.eplb_manager.on_forward_pass(logits_output.expert_counts)
-        return GenerationBatchResult(tokens, logprobs, logits_output, num_reqs)
+        return GenerationBatchResult(out, logits_output, num_reqs, num_tokens)

@@ -15,7 +15,7 @@ from jaxrunner.input_embeds import EmbedOverride
 from jaxrunner.buckets import Bucket
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
-from jaxrunner.sampling_batch import SamplingBatch
+from jaxrunner.sampling_batch import ALWAYS, SamplingBatch, SlotEntry
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -26,6 +26,11 @@ class Req:
     With overlapped scheduling a request may have one `pending` token: sampled on the device by
     the step in flight, not yet read back. It counts in `seq_len`, and the next step reads its id
     on the device.
+
+    Log-probabilities: with `return_logprob`, `output_logprobs` gets each output token's and,
+    when `top_logprobs_num` > 0, `output_top_logprobs` its most likely alternatives;
+    `logprob_start_len` >= 0 also asks for the prompt's from that position on
+    (`input_token_logprobs`, None for the first token, which has no context).
     """
 
     rid: int
@@ -54,6 +59,17 @@ class Req:
     stopped_text: str | None = None
     # Embeddings that replace some prompt tokens' own (`input_embeds`, `replace_embeds`).
     embed_override: EmbedOverride | None = None
+    # The request's grammar matcher (jaxrunner/grammar.py), when its output is constrained.
+    grammar: object = None
+    # The slot whose device sampling state holds this request's counts and bias table, once
+    # initialised (None again when the request leaves its slot).
+    sampling_slot: int | None = None
+    top_logprobs_num: int = 0
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    logprob_start_len: int = -1    # -1: no prompt logprobs
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_logprobs_done: bool = False
 
     @property
     def fill_ids(self) -> list[int]:
@@ -88,6 +104,28 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet."""
+        return self.logprob_start_len >= 0 and not self.input_logprobs_done
+
+    def slot_entry(self) -> SlotEntry:
+        """What the request's slot of the device sampling state must hold
+        (jaxrunner/penalties.py): its logit_bias, its min_new_tokens mask, and the prompt and
+        output tokens its penalties count."""
+        p = self.sampling_params
+        ids, values, until = [], [], []
+        for token, bias in (p.logit_bias or {}).items():
+            ids.append(token), values.append(bias), until.append(ALWAYS)
+        if p.min_new_tokens > 0:
+            # EOS ends a request only without ignore_eos.
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            for token in sorted(stops):
+                ids.append(token), values.append(-np.inf), until.append(p.min_new_tokens)
+        return SlotEntry(self.req_pool_idx, ids, values, until,
+                         prompt_ids=self.origin_input_ids if p.repetition_penalty != 1.0 else [],
+                         output_ids=list(self.output_ids) if p.has_penalties else [])
+
 
 @dataclass
 class ModelWorkerBatch:
@@ -107,6 +145,11 @@ class ModelWorkerBatch:
     extend_prefix_lens: np.ndarray  # i32[R]: tokens already cached per request
     page_table: np.ndarray         # i32[R, max_pages_per_req]
     sampling: SamplingBatch        # numpy leaves, R rows
+    # i32[T]: the prompt token after each token, for prompt logprobs; -1 (the default for all):
+    # none wanted.
+    logprob_target_ids: np.ndarray | None = None
+    # Request slots whose device sampling state this step must (re)initialise before it samples.
+    slot_entries: list[SlotEntry] = field(default_factory=list)
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     # i32[R]: each request's slot in the ReqToTokenPool (padding: -1).
     req_pool_indices: np.ndarray | None = None
@@ -120,6 +163,8 @@ class ModelWorkerBatch:
     def __post_init__(self):
         if self.input_embeds_src is None:
             self.input_embeds_src = np.full(self.bucket.num_tokens, -1, np.int32)
+        if self.logprob_target_ids is None:
+            self.logprob_target_ids = np.full(self.input_ids.shape, -1, np.int32)
 
     @classmethod
     def padding(cls, bucket: Bucket, page_size: int, max_pages_per_req: int) -> "ModelWorkerBatch":
@@ -201,6 +246,8 @@ class ScheduleBatch:
         verify = self.forward_mode == ForwardMode.TARGET_VERIFY
         input_embeds_src = np.full(T, -1, np.int32)
         given_embeds = []
+        logprob_target_ids = np.full(T, -1, np.int32)
+        slot_entries, sampled = [], []
 
         start = 0
         for i, (req, n, kv_n) in enumerate(zip(self.reqs, self.extend_lens, self.kv_lens)):
@@ -227,11 +274,27 @@ class ScheduleBatch:
                     first = sum(len(r) for r in given_embeds)
                     input_embeds_src[start + positions - prefix] = first + np.arange(len(rows))
                     given_embeds.append(rows)
+            if req.wants_input_logprobs:
+                # Token p predicts prompt token p + 1.
+                prompt = req.origin_input_ids
+                first = max(prefix, req.logprob_start_len - 1)
+                last = min(prefix + n, len(prompt) - 1)
+                if first < last:
+                    logprob_target_ids[start + first - prefix:start + last - prefix] = \
+                        prompt[first + 1:last + 1]
+            if req.sampling_params.uses_slot_state and req.sampling_slot != slot:
+                # The request is new to this slot (admitted, or resumed after a retraction).
+                slot_entries.append(req.slot_entry())
+                req.sampling_slot = slot
+            sampled.append(prefix + n == req.seq_len)
             start += n
 
         sampling = SamplingBatch.from_params(
             [r.sampling_params for r in self.reqs], steps=[r.num_outputs for r in self.reqs],
-            seeds=[r.seed for r in self.reqs], padded_size=R)
+            seeds=[r.seed for r in self.reqs], padded_size=R,
+            slots=[r.req_pool_idx for r in self.reqs], sampled=sampled,
+            constrained=[r.grammar is not None and s for r, s in zip(self.reqs, sampled)],
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs])
         return ModelWorkerBatch(
             forward_mode=self.forward_mode, bucket=bucket, num_reqs=num_reqs,
             num_tokens=num_tokens, input_ids=input_ids, input_token_src=input_token_src,
@@ -239,4 +302,5 @@ class ScheduleBatch:
             extend_seq_lens=extend_seq_lens, extend_prefix_lens=extend_prefix_lens,
             page_table=page_table, sampling=sampling, req_pool_indices=req_pool_indices,
             next_token_ids=next_token_ids, input_embeds_src=input_embeds_src,
-            input_embeds=np.concatenate(given_embeds) if given_embeds else None)
+            input_embeds=np.concatenate(given_embeds) if given_embeds else None,
+            logprob_target_ids=logprob_target_ids, slot_entries=slot_entries)

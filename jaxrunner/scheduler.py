@@ -13,13 +13,24 @@ Each `step()` launches one model step and returns the requests whose new tokens 
 - Overlap: step n+1 is built and launched before step n's tokens are read back; the requests
   decoding in both read step n's tokens on the device. The host's bookkeeping for step n then
   runs while the device computes step n+1.
+- Grammars: the token bitmask of step n+1 depends on step n's tokens, so a step with a
+  constrained request launches its forward pass, then reads step n back (advancing the
+  grammars) and fills the bitmask while the device runs the model, and only then launches its
+  sampler. The forward pass still overlaps the host's work; what is lost is the sampler's own
+  overlap: the device waits for the mask between the model and the sampler.
+- `n` samples of one prompt share its KV: a request whose prompt equals one admitted in the
+  same step waits a step, and then finds that prompt in the prefix cache.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxrunner.forward_mode import ForwardMode
 from jaxrunner.radix_cache import RadixCache
+from jaxrunner.request_output import (fill_vocab_mask, match_stop_regex, record_input_logprobs,
+                                      record_output_top_logprobs, stop_at_first)
 from jaxrunner.schedule_batch import Req, ScheduleBatch
 from jaxrunner.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
                                        NEW_TOKEN_RATIO_DECAY, PrefillBudget, future_pages,
@@ -38,6 +49,7 @@ class LaunchedBatch:
     result: object            # the worker's GenerationBatchResult: `copy_to_host()` waits
     samples: list[bool]       # per row: does this step sample the request's next token
     rows: dict[int, int]      # rid -> row, for the next step's on-device input tokens
+    prefixes: list[int]       # per row: the request's tokens computed before this step
 
 
 class Scheduler:
@@ -83,7 +95,7 @@ class Scheduler:
             self.in_flight and not all(r.finished for r in self.in_flight.batch.reqs)))
 
     def add_request(self, req: Req) -> None:
-        if req.max_new_tokens == 0:
+        if req.max_new_tokens == 0 and not req.wants_input_logprobs:
             req.finished_reason = {"type": "length", "length": 0}
             return
         self.waiting.append(req)
@@ -192,12 +204,20 @@ class Scheduler:
             budget.pages -= pages
             if req.num_computed_tokens + n < req.seq_len:
                 partial = req
+        # Prompts admitted this step: an equal one waits a step to share its KV (n samples).
+        prompts = set()
         # A chunked prompt's last chunk leaves room for new requests in the same step.
         for req in order_waiting(self.waiting, args.schedule_policy, self.tree_cache):
             if partial is not None or budget.tokens <= 0 or budget.reqs <= 0:
                 break
-            match = self.tree_cache.match_prefix(req.fill_ids,
-                                                 max_tokens=req.cacheable(req.seq_len - 1))
+            prompt = self._shared_prompt_key(req)
+            if prompt is not None and prompt in prompts:
+                break
+            # Prompt logprobs are computed, not read from the cache, from their first position.
+            limit = req.cacheable(req.seq_len - 1)
+            if req.wants_input_logprobs:
+                limit = min(limit, max(req.logprob_start_len - 1, 0))
+            match = self.tree_cache.match_prefix(req.fill_ids, max_tokens=limit)
             remaining = req.seq_len - match.num_tokens
             # A prompt longer than what is left of the budget is chunked to fill it (as SGLang
             # does): the step then runs in its bucket without padding tokens.
@@ -216,9 +236,18 @@ class Scheduler:
             self.waiting.remove(req)
             reqs.append(req)
             lens.append(n)
+            if prompt is not None:
+                prompts.add(prompt)
             if n < remaining:
                 partial = self.chunked_req = req
         return (reqs, lens) if reqs else None
+
+    def _shared_prompt_key(self, req: Req) -> tuple[int, ...] | None:
+        """The prompt, when another request with it could reuse its KV (a whole page of it
+        would be cached); else None."""
+        if self.tree_cache.disable or len(req.origin_input_ids) <= self.page_size:
+            return None
+        return tuple(req.origin_input_ids)
 
     def _take_prefix(self, req: Req, match) -> None:
         """Gives `req` a slot whose first pages are the matched (and locked) prefix."""
@@ -320,7 +349,7 @@ class Scheduler:
         if req.prefix_node is not None:
             self.tree_cache.dec_lock_ref(req.prefix_node)
         pool.free_slot(req.req_pool_idx)
-        req.req_pool_idx = req.prefix_node = None
+        req.req_pool_idx = req.prefix_node = req.sampling_slot = None
         req.num_tree_pages = req.num_computed_tokens = 0
 
     # ---- launching and reading back ----
@@ -338,20 +367,40 @@ class Scheduler:
         return batch
 
     def _launch(self, batch: ScheduleBatch) -> LaunchedBatch:
-        return self.record_launch(batch, self._run_batch(batch))
+        if not any(r.grammar is not None for r in batch.reqs):
+            return self.record_launch(batch, self._run_batch(batch))
+        launched = None
 
-    def _run_batch(self, batch: ScheduleBatch):
-        """Launches the device step of `batch` through the worker; does not wait for it."""
+        def vocab_mask(num_rows: int):
+            # The forward pass is on the device: book it, then learn the step before it (whose
+            # tokens advance the grammars) while the model runs, then fill the bitmask.
+            nonlocal launched
+            launched = self.record_launch(batch, None)
+            if self.in_flight is not None:
+                self._flushed += self.process_batch_result(self.in_flight)
+                self.in_flight = None
+            return fill_vocab_mask(batch.reqs, num_rows, self.worker.vocab_size)
+
+        result = self._run_batch(batch, vocab_mask)
+        launched.result = result
+        return launched
+
+    def _run_batch(self, batch: ScheduleBatch, vocab_mask=None):
+        """Launches the device step of `batch` through the worker; does not wait for it.
+        `vocab_mask(num_rows)`, if given, is called once the forward pass is launched."""
         bucket = self.worker.pick_bucket(batch.forward_mode, batch.num_tokens, len(batch.reqs))
         prev = self.in_flight.result if self.in_flight is not None else None
-        return self.worker.forward_batch_generation(batch.get_model_worker_batch(bucket), prev)
+        mask_fn = None if vocab_mask is None else (lambda: vocab_mask(bucket.num_reqs))
+        return self.worker.forward_batch_generation(batch.get_model_worker_batch(bucket), prev,
+                                                    mask_fn)
 
     def record_launch(self, batch: ScheduleBatch, result) -> LaunchedBatch:
         """Books a launched step: the requests' computed tokens and pending samples. `result`
         (row i: request i) is the worker's, read back only in `process_batch_result`."""
         self.forward_ct += 1
-        samples = []
+        samples, prefixes = [], []
         for req, n in zip(batch.reqs, batch.extend_lens):
+            prefixes.append(req.num_computed_tokens)
             req.num_computed_tokens += n
             sampled = req.num_computed_tokens == req.seq_len
             samples.append(sampled)
@@ -362,23 +411,33 @@ class Scheduler:
                 if req not in self.running:
                     self.running.append(req)
                     self._cache_prefilled(req)
-        return LaunchedBatch(batch, result, samples, {r.rid: i for i, r in enumerate(batch.reqs)})
+        return LaunchedBatch(batch, result, samples, {r.rid: i for i, r in enumerate(batch.reqs)},
+                             prefixes)
 
     def process_batch_result(self, launched: LaunchedBatch) -> list[Req]:
         """Reads a launched step's tokens back and advances its requests: new outputs, finished
         requests (their KV released); returns the requests that got a token."""
-        tokens, logprobs = launched.result.copy_to_host()
-        updated = []
-        for i, req in enumerate(launched.batch.reqs):
+        result, reqs = launched.result, launched.batch.reqs
+        tokens, logprobs = result.copy_to_host()
+        top = (result.top_logprobs_to_host()
+               if any(r.return_logprob and r.top_logprobs_num for r in reqs) else None)
+        inputs = (result.input_logprobs_to_host()
+                  if any(r.wants_input_logprobs for r in reqs) else None)
+        updated, starts = [], np.cumsum([0] + launched.batch.extend_lens)
+        for i, req in enumerate(reqs):
+            if inputs is not None and req.wants_input_logprobs and not req.finished:
+                record_input_logprobs(req, inputs, int(starts[i]), launched.prefixes[i],
+                                      launched.batch.extend_lens[i])
             if not launched.samples[i]:
                 continue
             req.pending -= 1
             if req.finished:
                 continue  # aborted, or finished by the step before (this token is surplus)
-            req.output_ids.append(int(tokens[i]))
-            if req.return_logprob:
-                req.output_logprobs.append(float(logprobs[i]))
-            self._check_finished(req)
+            if req.max_new_tokens == 0:  # prefilled for its prompt logprobs only
+                req.finished_reason = {"type": "length", "length": 0}
+            else:
+                self._append_token(req, int(tokens[i]), float(logprobs[i]),
+                                   None if top is None else (top[0][i], top[1][i]))
             if req.finished:
                 self.running.remove(req)
                 self._release_kv(req)
@@ -404,11 +463,8 @@ class Scheduler:
             appended = 0
             for token, logprob in zip(result.tokens[i, :accepted + 1],
                                       result.logprobs[i, :accepted + 1]):
-                req.output_ids.append(int(token))
-                if req.return_logprob:
-                    req.output_logprobs.append(float(logprob))
+                self._append_token(req, int(token), float(logprob), None)
                 appended += 1
-                self._check_finished(req)
                 if req.finished:
                     break
             # KV now holds the window's first token and the accepted drafts appended.
@@ -422,17 +478,42 @@ class Scheduler:
             updated.append(req)
         return updated
 
+    def _append_token(self, req: Req, token: int, logprob: float, top) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.output_logprobs.append(logprob)
+            if req.top_logprobs_num:
+                record_output_top_logprobs(req, *top)
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            req.finished_reason = {"type": "abort",
+                                   "message": f"grammar error: {req.grammar.error}"}
+            return
+        self._check_finished(req)
+
     def _check_finished(self, req: Req) -> None:
         token = req.output_ids[-1]
         params = req.sampling_params
-        if not params.ignore_eos and token in req.eos_token_ids:
+        if req.grammar is not None and req.grammar.is_terminated:
+            # Complete: EOS (which the grammar then allows) or nothing more can follow.
+            req.finished_reason = {"type": "stop",
+                                   "matched": token if token in req.eos_token_ids else None}
+        elif len(req.output_ids) < params.min_new_tokens:
+            pass  # EOS and stop ids are masked on the device; stop strings wait too
+        elif not params.ignore_eos and token in req.eos_token_ids:
             req.finished_reason = {"type": "stop", "matched": token}
         elif token in params.stop_token_ids:
             req.finished_reason = {"type": "stop", "matched": token}
         elif params.stop and self._match_stop_string(req):
             pass
-        elif len(req.output_ids) >= req.max_new_tokens:
+        elif params.stop_regex and self._match_stop_regex(req):
+            pass
+        if req.finished_reason is None and len(req.output_ids) >= req.max_new_tokens:
             req.finished_reason = {"type": "length", "length": req.max_new_tokens}
+
+    def _match_stop_regex(self, req: Req) -> bool:
+        if self.decode_text is None:
+            raise ValueError("stop_regex needs a tokenizer (skip_tokenizer_init is set)")
+        return match_stop_regex(req, self.decode_text)
 
     def _match_stop_string(self, req: Req) -> bool:
         if self.decode_text is None:
@@ -444,10 +525,5 @@ class Scheduler:
         if not any(s in tail for s in req.sampling_params.stop):
             return False
         text = self.decode_text(req.output_ids)
-        hits = [(text.find(s), s) for s in req.sampling_params.stop if s in text]
-        if not hits:
-            return False
-        cut, stop = min(hits)
-        req.stopped_text = text[:cut]
-        req.finished_reason = {"type": "stop", "matched": stop}
-        return True
+        return stop_at_first(req, text, [(text.find(s), s) for s in req.sampling_params.stop
+                                         if s in text])

@@ -8,6 +8,9 @@ prefix lengths and previous-step rows: a page booked twice, a prefix reused from
 request, a chunk boundary off by one or a retraction that loses a token all change the output.
 It also checks each batch against its bucket (padding rows empty, padding tokens on the dummy
 page, no slot written twice).
+
+A grammar's token bitmask (`vocab_mask_fn`, asked for after the "forward pass" as the real worker
+does) moves a masked row's token to the first allowed id at or after the hash, cyclically.
 """
 
 from dataclasses import dataclass, field
@@ -31,11 +34,21 @@ def next_token(sequence) -> int:
     return h % VOCAB
 
 
-def reference_tokens(prompt: list[int], n: int) -> list[int]:
+def reference_tokens(prompt: list[int], n: int, allowed=None) -> list[int]:
+    """The fake model's output; `allowed(outputs so far)` -> the ids a grammar allows next."""
     seq = list(prompt)
     for _ in range(n):
-        seq.append(next_token(seq))
+        token = next_token(seq)
+        if allowed is not None:
+            token = masked_token(token, allowed(seq[len(prompt):]))
+        seq.append(token)
     return seq[len(prompt):]
+
+
+def masked_token(token: int, allowed) -> int:
+    """The first allowed id at or after `token`, cyclically."""
+    allowed = sorted(allowed)
+    return next((t for t in allowed if t >= token), allowed[0])
 
 
 @dataclass
@@ -49,6 +62,12 @@ class FakeResult:
         self.read = True
         return self.next_token_ids[:self.num_reqs], self.logprobs[:self.num_reqs]
 
+    def top_logprobs_to_host(self):
+        raise NotImplementedError("the fake model has no log-probabilities")
+
+    def input_logprobs_to_host(self):
+        raise NotImplementedError("the fake model has no log-probabilities")
+
 
 @dataclass
 class FakeWorker:
@@ -58,7 +77,9 @@ class FakeWorker:
     args: EngineArgs
     num_pages: int
     context_len: int = 2048
+    vocab_size: int = VOCAB
     batches: list[ModelWorkerBatch] = field(default_factory=list)
+    masks: list[np.ndarray] = field(default_factory=list)  # the bitmasks asked for, in order
 
     def __post_init__(self):
         ps = self.args.page_size
@@ -81,7 +102,8 @@ class FakeWorker:
     def pick_bucket(self, mode, num_tokens, num_reqs):
         return pick_bucket(self.buckets, executable_mode(mode), num_tokens, num_reqs)
 
-    def forward_batch_generation(self, batch: ModelWorkerBatch, prev: FakeResult | None = None):
+    def forward_batch_generation(self, batch: ModelWorkerBatch, prev: FakeResult | None = None,
+                                 vocab_mask_fn=None):
         self.batches.append(batch)
         bucket, ps = batch.bucket, self.args.page_size
         T, R, n, r = bucket.num_tokens, bucket.num_reqs, batch.num_tokens, batch.num_reqs
@@ -112,6 +134,12 @@ class FakeWorker:
             assert (seq[length - new:] == ids[start:start + new]).all()
             tokens[i] = next_token(seq)
             start += new
+        if vocab_mask_fn is not None:
+            mask = vocab_mask_fn()
+            self.masks.append(mask)
+            bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
+            for i in np.flatnonzero(batch.sampling.constrained):
+                tokens[i] = masked_token(int(tokens[i]), np.flatnonzero(bits[i]))
         return FakeResult(tokens, np.zeros(self.rows, np.float32), r)
 
 

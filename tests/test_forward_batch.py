@@ -54,7 +54,7 @@ def test_forward_batch_is_a_pytree_with_static_mode_and_derived_fields_unset():
     leaves, treedef = jax.tree.flatten(fb)
     # The uploaded inputs only: positions and the like are computed inside the step, so every
     # call of a bucket has this one structure.
-    assert len(leaves) == 10 and all(isinstance(x, jax.Array) for x in leaves)
+    assert len(leaves) == 11 and all(isinstance(x, jax.Array) for x in leaves)
     assert fb.positions is None and fb.token_to_req is None
     rebuilt = jax.tree.unflatten(treedef, leaves)
     assert rebuilt.forward_mode == ForwardMode.EXTEND and rebuilt.batch_size == 1

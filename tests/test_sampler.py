@@ -247,12 +247,16 @@ def test_from_params_builds_host_numpy():
     assert all(isinstance(getattr(batch, f.name), np.ndarray) for f in dataclasses.fields(batch))
     assert dtypes == dict(
         temperatures=np.float32, top_ps=np.float32, top_ks=np.int32,
-        min_ps=np.float32, seeds=np.uint32, steps=np.int32,
+        min_ps=np.float32, seeds=np.uint32, steps=np.int32, slots=np.int32, sampled=np.bool_,
+        frequency_penalties=np.float32, presence_penalties=np.float32,
+        repetition_penalties=np.float32, constrained=np.bool_, top_logprobs_nums=np.int32,
     )
     assert batch.temperatures.tolist() == [0.5, 0.0, 0.0]
     assert batch.top_ks.tolist() == [0, 0, 0]
     assert batch.seeds[0] == 2**32 - 1 and batch.steps.tolist() == [4, 0, 0]
-    assert len(jax.tree_util.tree_leaves(batch)) == 6
+    # A request without penalties or logit_bias uses no slot state; padding rows neither.
+    assert batch.slots.tolist() == [-1, -1, -1] and batch.sampled.tolist() == [True, False, False]
+    assert len(jax.tree_util.tree_leaves(batch)) == 13
 
 
 def test_from_params_rejects_mismatched_lengths():

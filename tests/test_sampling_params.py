@@ -19,8 +19,8 @@ def test_from_dict_builds_params():
 
 
 def test_from_dict_rejects_unknown_keys_by_name():
-    with pytest.raises(ValueError, match="frequency_penalty.*tempreature"):
-        SamplingParams.from_dict({"tempreature": 0.5, "frequency_penalty": 1.0, "top_k": 3})
+    with pytest.raises(ValueError, match="frequency_penalties.*tempreature"):
+        SamplingParams.from_dict({"tempreature": 0.5, "frequency_penalties": 1.0, "top_k": 3})
 
 
 @pytest.mark.parametrize(
@@ -58,6 +58,9 @@ def test_normalized_makes_lists():
         dict(seed=2**40),
         dict(stop_token_ids=[0, VOCAB - 1]),
         dict(stop=["a"], ignore_eos=True),
+        dict(frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=2.0),
+        dict(logit_bias={"0": -100, VOCAB - 1: 100.0}, min_new_tokens=128),
+        dict(json_schema='{"type": "object"}', stop_regex=[r"\d+", "end"]),
     ],
 )
 def test_verify_accepts_edge_values(fields):
@@ -89,6 +92,20 @@ def test_verify_accepts_edge_values(fields):
         (dict(stop=3), "stop=3"),
         (dict(stop=["ok", 3]), "stop="),
         (dict(ignore_eos="yes"), "ignore_eos='yes'"),
+        (dict(frequency_penalty=2.5), "frequency_penalty=2.5"),
+        (dict(presence_penalty=-3), "presence_penalty=-3"),
+        (dict(repetition_penalty=0.0), "repetition_penalty=0.0"),
+        (dict(min_new_tokens=-1), "min_new_tokens=-1"),
+        (dict(min_new_tokens=200), "min_new_tokens=200 must not exceed max_new_tokens=128"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias="),
+        (dict(logit_bias={VOCAB: 1.0}), r"logit_bias=.*\[0, 100\)"),
+        (dict(logit_bias={"5": 101}), "logit_bias=.*-100, 100"),
+        (dict(logit_bias={str(i): 1 for i in range(301)}), "more than 300"),
+        (dict(json_schema="{}", regex="a"), "regex=.*cannot be combined with json_schema"),
+        (dict(ebnf=""), "ebnf='' must be a non-empty string"),
+        (dict(stop_regex="(a"), "stop_regex=.*not a valid regular expression"),
+        (dict(stop_regex=["a*"]), "stop_regex='a\\*' matches the empty string"),
+        (dict(n=0), "n=0"),
     ],
 )
 def test_verify_rejects_naming_field_and_value(fields, message):

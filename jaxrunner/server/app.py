@@ -10,6 +10,7 @@ uvicorn.run(app, host="127.0.0.1", port=30000)
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 
 from fastapi import FastAPI
@@ -18,24 +19,41 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxrunner.server import lifecycle_api, native_api, openai_api
+from jaxrunner.server import (chat_api, lifecycle_api, native_api, openai_api, reasoning,
+                              responses_api, tool_calls)
+from jaxrunner.server.chat_templates import load_chat_template
 from jaxrunner.server.engine_loop import EngineError, EngineLoop
 from jaxrunner.server.metrics import ServerMetrics
 from jaxrunner.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       GenerateRequest)
+                                       GenerateRequest, ResponsesRequest)
 from jaxrunner.server.state import ServerState
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+# Default --max-payload-size: the largest request body accepted, in bytes.
+MAX_PAYLOAD_SIZE = 32 * 2**20
 
 
-def build_app(engine, served_model_name: str | None = None) -> FastAPI:
-    """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
+def build_app(engine, served_model_name: str | None = None, *, api_key: str | None = None,
+              chat_template: str | None = None, max_payload_size: int = MAX_PAYLOAD_SIZE,
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None
+              ) -> FastAPI:
+    """An app serving `engine`; the engine loop starts and stops with the app's lifespan.
+    `api_key`: every route but /health needs `Authorization: Bearer <api_key>`.
+    `chat_template`: a template file or built-in name (jaxrunner/server/chat_templates.py).
+    `max_payload_size`: larger request bodies get 413. The parsers: jaxrunner/server/
+    tool_calls.py and reasoning.py."""
+    for name, value, known in (("tool_call_parser", tool_call_parser, tool_calls.PARSERS),
+                               ("reasoning_parser", reasoning_parser, reasoning.PARSERS)):
+        if value is not None and value not in known:
+            raise ValueError(f"{name}={value!r} is not one of {', '.join(known)}")
     engine_loop = EngineLoop(engine)
     metrics = ServerMetrics(lambda: engine_loop.stats)
     engine_loop.metrics = metrics
     state = ServerState(engine, engine_loop, metrics,
-                        served_model_name or engine.args.model_path)
+                        served_model_name or engine.args.model_path,
+                        chat_template=load_chat_template(chat_template),
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -47,11 +65,20 @@ def build_app(engine, served_model_name: str | None = None) -> FastAPI:
 
     app = FastAPI(title="jaxrunner", version=VERSION, lifespan=lifespan)
     app.state.server = state
+    if api_key is not None:
+        app.add_middleware(_APIKey, api_key=api_key)
     app.add_middleware(_HTTPMetrics, metrics=metrics)
     _add_error_handlers(app)
 
     async def parse(request: Request, model):
-        raw = await request.body()
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_payload_size:
+            raise _too_large(int(length), max_payload_size)
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > max_payload_size:
+                raise _too_large(len(raw), max_payload_size)
         try:
             return model.model_validate_json(raw)
         except ValidationError as e:
@@ -65,19 +92,31 @@ def build_app(engine, served_model_name: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await openai_api.chat_completions(state, request,
-                                                 await parse(request, ChatCompletionRequest))
+        return await chat_api.chat_completions(state, request,
+                                               await parse(request, ChatCompletionRequest))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await responses_api.responses(state, request,
+                                             await parse(request, ResponsesRequest))
 
     @app.post("/generate")
     async def generate(request: Request):
         return await native_api.generate(state, request, await parse(request, GenerateRequest))
 
+    def model_card() -> dict:
+        return {"id": state.served_model_name, "object": "model", "created": state.created,
+                "owned_by": "jaxrunner", "root": engine.args.model_path,
+                "max_model_len": state.context_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "jaxrunner", "root": engine.args.model_path,
-            "max_model_len": state.context_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health():
@@ -140,6 +179,30 @@ def _add_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error in %s", request.url.path)
         return JSONResponse(APIError(f"internal error: {type(e).__name__}: {e}", 500).body(),
                             status_code=500)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(f"the request body has {size} bytes, more than the server's limit of "
+                    f"{limit} (--max-payload-size)", 413)
+
+
+class _APIKey:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            error = APIError("a valid API key is needed: send `Authorization: Bearer <key>`",
+                             401)
+            response = JSONResponse(error.body(), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _HTTPMetrics:

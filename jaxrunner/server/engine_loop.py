@@ -28,12 +28,16 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class RequestSpec:
-    """One engine request: what `Engine.add_request` takes."""
+    """One engine request: what `Engine.make_request` takes. The server makes the `Req` (which
+    validates it and compiles its grammar) in a worker thread before submitting, so the loop
+    only queues it; a spec without `req` is made on the loop."""
 
     input_ids: list[int]           # placeholders when the prompt is `input_embeds`
     sampling_params: dict
     return_logprob: bool = False
-    input_embeds: list | None = None  # [tokens, hidden_size]
+    # `Engine.make_request` options: top_logprobs_num, logprob_start_len, strict_budget.
+    options: dict = dataclasses.field(default_factory=dict)
+    req: object = None
 
 
 @dataclasses.dataclass
@@ -43,9 +47,16 @@ class Delta:
     index: int                     # which request of the group
     token_ids: list[int]
     logprobs: list[float]
+    # Per new token, its (logprob, token id) alternatives, when the request asked for them.
+    top_logprobs: list = dataclasses.field(default_factory=list)
     finished_reason: dict | None = None
     stopped_text: str | None = None
     weight_version: str | None = None  # of the weights the request ran on (when finished)
+    # In the finishing delta: the prompt tokens served from the prefix cache, and the prompt's
+    # (logprob, top alternatives) per position when asked for (None before logprob_start_len).
+    cached_tokens: int = 0
+    input_logprobs: list | None = None
+    input_top_logprobs: list | None = None
 
 
 class EngineError(RuntimeError):
@@ -248,11 +259,12 @@ class EngineLoop:
         reqs = []
         try:
             for spec in group.specs:
-                # A prompt given as embeddings: the ids are placeholders the engine makes.
-                embeds = {} if spec.input_embeds is None else {"input_embeds": spec.input_embeds}
-                ids = None if embeds else spec.input_ids
-                reqs.append(self.engine.add_request(ids, spec.sampling_params,
-                                                    spec.return_logprob, **embeds))
+                if spec.req is None:
+                    reqs.append(self.engine.add_request(spec.input_ids, spec.sampling_params,
+                                                        spec.return_logprob, **spec.options))
+                else:
+                    self.engine.enqueue(spec.req)
+                    reqs.append(spec.req)
         except (ValueError, EngineNotReadyError) as e:
             for req in reqs:
                 self.engine.abort_request(req)
@@ -283,11 +295,17 @@ class EngineLoop:
                 self.metrics.generation_tokens.inc(len(new_ids))
             track.sent += len(new_ids)
             track.last_token_time = now
-            delta = Delta(track.index, new_ids, new_lps)
+            tops = getattr(req, "output_top_logprobs", None)
+            delta = Delta(track.index, new_ids, new_lps,
+                          list(tops[track.sent - len(new_ids):track.sent]) if tops else [])
             if req.finished:
                 delta.finished_reason = dict(req.finished_reason)
                 delta.stopped_text = req.stopped_text
                 delta.weight_version = self.engine.weight_version
+                delta.cached_tokens = getattr(req, "cached_tokens", 0)
+                if getattr(req, "input_token_logprobs", None) is not None:
+                    delta.input_logprobs = list(req.input_token_logprobs)
+                    delta.input_top_logprobs = list(req.input_top_logprobs)
                 del self._tracks[req]
                 if self.metrics:
                     self.metrics.observe_finished(req.finished_reason["type"],

@@ -1,9 +1,12 @@
 """SGLang's native `/generate`: `text`, `input_ids` or `input_embeds` (a prompt as embeddings,
-[tokens, hidden_size] floats), engine `sampling_params` as they are, `return_logprob`, `stream`.
+[tokens, hidden_size] floats), engine `sampling_params` as they are (with `n`,
+`json_schema`/`regex`/`ebnf`, penalties), `return_logprob` with `top_logprobs_num` and
+`logprob_start_len`, `stream`.
 
 The answer is SGLang's: `{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
-"completion_tokens", "finish_reason", ["output_token_logprobs"], "e2e_latency",
-"weight_version"}}`, a list of them for a batch. Streamed chunks carry the text and output ids so far (cumulative, SGLang's default)
+"completion_tokens", "cached_tokens", "finish_reason", ["output_token_logprobs",
+"output_top_logprobs", "input_token_logprobs", "input_top_logprobs"], "e2e_latency",
+"weight_version"}}`, a list of them for a batch (or for `n` > 1). Streamed chunks carry the text and output ids so far (cumulative, SGLang's default)
 and, for a batch, the `index` of the request.
 """
 
@@ -42,18 +45,29 @@ async def generate(state: ServerState, request: Request, body: GenerateRequest):
     n = len(prompts)
     params = _per_request(body.sampling_params, n, "sampling_params", {})
     logprob_flags = _per_request(body.return_logprob, n, "return_logprob", False)
+    tops = _per_request(body.top_logprobs_num, n, "top_logprobs_num", 0)
+    starts = _per_request(body.logprob_start_len, n, "logprob_start_len", -1)
     specs = []
-    for i, (ids, p, lp) in enumerate(zip(prompts, params, logprob_flags)):
-        where = "" if single else f"request {i}: "
-        state.check_prompt(ids, "text" if body.text is not None
-                           else "input_ids" if embeds is None else "input_embeds")
-        state.check_sampling(p, where)
-        budget = p.get("max_new_tokens", 128)
-        if len(ids) + budget > state.context_len:
-            raise APIError(f"{where}requested {len(ids) + budget} tokens ({len(ids)} in the "
-                           f"prompt, max_new_tokens={budget}), more than the context length "
-                           f"{state.context_len}", 400, "max_new_tokens")
-        specs.append(RequestSpec(ids, p, lp, None if embeds is None else embeds[i]))
+    for i, (ids, p, lp, top, start) in enumerate(zip(prompts, params, logprob_flags, tops,
+                                                     starts)):
+        if not isinstance(p, dict):
+            raise APIError("sampling_params must be an object", 400, "sampling_params")
+        # `n` samples of the prompt: engine requests of their own, seeds seed + j.
+        samples = p.get("n", 1)
+        if not isinstance(samples, int) or isinstance(samples, bool) or not 1 <= samples <= 64:
+            raise APIError(f"n={samples!r} must be an int in [1, 64]", 400, "n")
+        options = ({"top_logprobs_num": top, "logprob_start_len": start} if lp else {})
+        if not lp and (top or start != -1):
+            raise APIError("top_logprobs_num and logprob_start_len need return_logprob", 400,
+                           "return_logprob")
+        for j in range(samples):
+            sample = {k: v for k, v in p.items() if k != "n"}
+            if sample.get("seed") is not None and isinstance(sample["seed"], int):
+                sample["seed"] += j
+            given = {} if embeds is None else {"input_embeds": embeds[i]}
+            specs.append(RequestSpec(ids, sample, lp, dict(options, strict_budget=True, **given)))
+    single = single and len(specs) == 1
+    await state.make_requests(specs, None if single else (lambda i: f"request {i}: "))
     group = await state.submit(specs)
     if body.stream:
         return StreamingResponse(_stream(state, request, group, single, body),
@@ -80,10 +94,25 @@ def _output(state, group, i: int, r: Result, text: str | None, body) -> dict:
             "completion_tokens": len(r.token_ids), "finish_reason": r.finished_reason,
             "e2e_latency": time.perf_counter() - group.arrival,
             "weight_version": r.weight_version}
-    if group.specs[i].return_logprob:
-        meta["output_token_logprobs"] = [
-            (lp, t, state.token_text(t) if body.return_text_in_logprobs else None)
-            for lp, t in zip(r.logprobs, r.token_ids)]
+    spec = group.specs[i]
+    meta["cached_tokens"] = r.cached_tokens
+    if spec.return_logprob:
+        def entry(lp, t):
+            return (lp, t, state.token_text(t) if body.return_text_in_logprobs else None)
+        meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(r.logprobs, r.token_ids)]
+        if spec.options.get("top_logprobs_num"):
+            meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top]
+                                           for top in r.top_logprobs]
+        start = spec.options.get("logprob_start_len", -1)
+        if start >= 0 and r.input_logprobs is not None:
+            prompt = spec.input_ids
+            meta["input_token_logprobs"] = [entry(r.input_logprobs[p], prompt[p])
+                                            for p in range(start, len(prompt))]
+            if spec.options.get("top_logprobs_num"):
+                meta["input_top_logprobs"] = [
+                    None if r.input_top_logprobs[p] is None else
+                    [entry(lp, t) for lp, t in r.input_top_logprobs[p]]
+                    for p in range(start, len(prompt))]
     out = {"output_ids": list(r.token_ids), "meta_info": meta}
     if text is not None:
         out["text"] = text

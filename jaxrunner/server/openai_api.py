@@ -1,10 +1,12 @@
-"""`/v1/completions` and `/v1/chat/completions`, in the shapes the `openai` client reads.
+"""`/v1/completions`, and what it shares with chat completions (jaxrunner/server/chat_api.py) and
+the Responses API: turning one OpenAI request into engine requests, usage, log-probabilities.
 
-Log-probabilities: the engine returns only the sampled token's log-probability, so
-`top_logprobs` (completions) and each token's `top_logprobs` (chat) hold that token alone (or are
-empty when zero alternatives were asked for). Token strings are each token decoded on its own
-(a token that holds part of a UTF-8 character shows as U+FFFD) and chat `bytes` are that
-string's UTF-8 bytes.
+Log-probabilities: each token's log-probability under the model and, when asked, its most likely
+alternatives (the sampler's real top-k of the full log-softmax, before penalties and
+temperature). Token strings are each token decoded on its own (a token that holds part of a UTF-8
+character shows as U+FFFD) and chat `bytes` are that string's UTF-8 bytes. `echo` with
+`logprobs` returns the prompt's log-probabilities too (the first token's is null: nothing
+precedes it).
 """
 
 import time
@@ -13,72 +15,129 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from jaxrunner.server.detokenizer import IncrementalDetokenizer
+from jaxrunner.server.detokenizer import IncrementalDetokenizer, decode
 from jaxrunner.server.engine_loop import EngineError, RequestSpec
 from jaxrunner.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from jaxrunner.server.state import (SSE_DONE, ServerState, collect, finish_reason, matched_stop,
                                     sse)
 
 
-class _Job:
-    """One OpenAI request turned into engine requests: prompt p, sample j -> index p * n + j."""
+class Job:
+    """One OpenAI request turned into engine requests: prompt p, sample j -> index p * n + j.
+    `await job.prepare()` validates and makes them (a 400 naming any problem)."""
 
     def __init__(self, state: ServerState, body, prompts: list[list[int]], max_tokens: int | None,
-                 default_max: int | None, logprobs: bool, prompt_param: str):
+                 default_max: int | None, prompt_param: str, *, return_logprob: bool = False,
+                 top_logprobs: int = 0, echo_logprobs: bool = False, extra: dict | None = None,
+                 allow_zero_tokens: bool = False):
         self.state, self.body, self.prompts = state, body, prompts
+        self.prompt_param = prompt_param
         bad = body.unsupported()
         if bad:
             raise APIError("unsupported request field(s): " + "; ".join(bad), 400)
+        if allow_zero_tokens and max_tokens == 0:
+            budget, strict = 0, True
+        else:
+            budget, strict = state.max_new_tokens(max_tokens, default_max)
+        params = body.sampling_params(budget)
+        params.update(extra or {})
+        options = {"strict_budget": strict}
+        if return_logprob:
+            options.update(top_logprobs_num=top_logprobs,
+                           logprob_start_len=0 if echo_logprobs else -1)
         specs = []
-        for p, ids in enumerate(prompts):
-            where = f"{prompt_param}[{p}]" if len(prompts) > 1 else prompt_param
-            state.check_prompt(ids, where)
-            budget = state.max_new_tokens(ids, max_tokens, default_max)
-            params = body.sampling_params(budget)
-            state.check_sampling(params)
+        for ids in prompts:
             for j in range(body.n):
                 sample = dict(params)
                 if body.seed is not None:
                     sample["seed"] = body.seed + j  # n samples, not n copies of one
-                specs.append(RequestSpec(ids, sample, logprobs))
+                specs.append(RequestSpec(ids, sample, return_logprob, dict(options)))
         self.specs = specs
-        self.stops = specs[0].sampling_params.get("stop") or []
+        self.stops = params.get("stop") or []
         if isinstance(self.stops, str):
             self.stops = [self.stops]
         self.id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-" \
                   f"{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def usage(self, completion_tokens: int) -> dict:
+    async def prepare(self) -> None:
+        n, many = self.body.n, len(self.prompts) > 1
+        await self.state.make_requests(
+            self.specs, (lambda i: f"{self.prompt_param}[{i // n}]: ") if many else None)
+
+    def usage(self, completion_tokens: int, cached_tokens: list[int] | None = None,
+              reasoning_tokens: int | None = None) -> dict:
+        """OpenAI's usage; `cached_tokens[i]`: spec i's prompt tokens from the prefix cache
+        (the first sample of each prompt counts, as its prompt is counted once)."""
         prompt_tokens = sum(len(p) for p in self.prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if cached_tokens is not None:
+            usage["prompt_tokens_details"] = {
+                "cached_tokens": sum(cached_tokens[::self.body.n])}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
     def header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.state.served_model_name}
 
+    def stream_usage(self, completion_tokens: int, cached=None) -> dict | None:
+        """The usage a chunk carries with `stream_options.continuous_usage_stats`, else None."""
+        options = self.body.stream_options
+        if options is None or not options.continuous_usage_stats:
+            return None
+        return self.usage(completion_tokens, cached)
+
+    def include_usage(self) -> bool:
+        options = self.body.stream_options
+        return options is not None and (options.include_usage or options.continuous_usage_stats)
+
 
 # ---- log-probability shapes ----
 
-def _completion_logprobs(state: ServerState, ids, lps, want: int, offset: int) -> dict:
+def top_alternatives(state: ServerState, tops) -> list[tuple[str, float, int]]:
+    """(text, logprob, id) of one token's alternatives [(logprob, id)]."""
+    return [(state.token_text(t), lp, t) for lp, t in tops]
+
+
+def completion_logprobs(state: ServerState, ids, lps, tops, want: int | None,
+                        offset: int) -> dict:
+    """Completions' `logprobs` of tokens `ids`; `tops[i]`: token i's alternatives (None for
+    the prompt's first token)."""
     tokens = [state.token_text(t) for t in ids]
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": lps,
-            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)] if want else None,
+    top = None
+    if want:
+        top = []
+        for tok, lp, alts in zip(tokens, lps, tops):
+            if alts is None:
+                top.append(None)
+                continue
+            entry = {text: alt_lp for text, alt_lp, _ in top_alternatives(state, alts[:want])}
+            entry.setdefault(tok, lp)  # the sampled token is always there, as vLLM does
+            top.append(entry)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top,
             "text_offset": offsets}
 
 
-def _chat_logprobs(state: ServerState, ids, lps, top: int) -> dict:
+def chat_logprobs(state: ServerState, ids, lps, tops, want: int) -> dict:
     content = []
-    for t, lp in zip(ids, lps):
+    for t, lp, alts in zip(ids, lps, tops):
         tok = state.token_text(t)
         entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-        content.append(dict(entry, top_logprobs=[entry] if top else []))
+        top = [{"token": text, "logprob": alt_lp, "bytes": list(text.encode("utf-8"))}
+               for text, alt_lp, _ in top_alternatives(state, alts[:want])] if want else []
+        content.append(dict(entry, top_logprobs=top))
     return {"content": content}
+
+
+def _tops(delta_tops, n: int) -> list:
+    return delta_tops if delta_tops else [[]] * n
 
 
 # ---- completions ----
@@ -98,7 +157,14 @@ async def completions(state: ServerState, request: Request, body: CompletionRequ
         prompts = [prompt] if isinstance(prompt[0], int) else prompt
         state.need_tokenizer()
     want = body.logprobs
-    job = _Job(state, body, prompts, body.max_tokens, 16, want is not None, "prompt")
+    if body.echo and body.stream and want is not None:
+        raise APIError("unsupported request field(s): echo with logprobs and stream (the "
+                       "prompt's logprobs come only when the request finishes)", 400, "echo")
+    job = Job(state, body, prompts, body.max_tokens, 16, "prompt",
+              return_logprob=want is not None, top_logprobs=want or 0,
+              echo_logprobs=body.echo and want is not None, allow_zero_tokens=body.echo,
+              extra=body.structured_output())
+    await job.prepare()
     group = await state.submit(job.specs)
     if body.stream:
         return StreamingResponse(_completion_stream(state, request, job, group),
@@ -107,112 +173,64 @@ async def completions(state: ServerState, request: Request, body: CompletionRequ
         results = await collect(group)
     choices = []
     for i, r in enumerate(results):
-        choices.append({
-            "index": i, "text": r.text(state.tokenizer),
-            "logprobs": None if want is None else _completion_logprobs(
-                state, r.token_ids, r.logprobs, want, 0),
-            "finish_reason": finish_reason(r.finished_reason),
-            "matched_stop": matched_stop(r.finished_reason)})
-    usage = job.usage(sum(len(r.token_ids) for r in results))
+        text = r.text(state.tokenizer)
+        logprobs = None
+        prompt_ids = job.specs[i].input_ids
+        if body.echo:
+            prompt_text = decode(state.tokenizer, prompt_ids)
+            text = prompt_text + text
+        if want is not None:
+            ids, lps, tops = r.token_ids, r.logprobs, _tops(r.top_logprobs, len(r.token_ids))
+            if body.echo:
+                ids = prompt_ids + ids
+                lps = list(r.input_logprobs) + lps
+                tops = list(r.input_top_logprobs) + tops
+            logprobs = completion_logprobs(state, ids, lps, tops, want, 0)
+        choices.append({"index": i, "text": text, "logprobs": logprobs,
+                        "finish_reason": finish_reason(r.finished_reason),
+                        "matched_stop": matched_stop(r.finished_reason)})
+    usage = job.usage(sum(len(r.token_ids) for r in results), [r.cached_tokens for r in results])
     return JSONResponse(dict(job.header("text_completion"), choices=choices, usage=usage))
 
 
-async def _completion_stream(state, request, job: _Job, group):
+async def _completion_stream(state, request, job: Job, group):
     detoks = [IncrementalDetokenizer(state.tokenizer, job.stops) for _ in job.specs]
     sent_chars = [0] * len(job.specs)
     completion_tokens = 0
+    cached = [0] * len(job.specs)
     want = job.body.logprobs
     try:
         async with state.running(request, group):
+            if job.body.echo:
+                for i, spec in enumerate(job.specs):
+                    text = decode(state.tokenizer, spec.input_ids)
+                    sent_chars[i] += len(text)
+                    yield sse(dict(job.header("text_completion"), choices=[
+                        {"index": i, "text": text, "logprobs": None, "finish_reason": None}]))
             async for d in group.deltas():
                 completion_tokens += len(d.token_ids)
                 text = detoks[d.index].add(d.token_ids)
                 if d.finished_reason is not None:
                     text += detoks[d.index].finish(d.stopped_text)[1]
+                    cached[d.index] = d.cached_tokens
                 if not text and d.finished_reason is None and (want is None or not d.token_ids):
                     continue
-                logprobs = None if want is None else _completion_logprobs(
-                    state, d.token_ids, d.logprobs, want, sent_chars[d.index])
+                logprobs = None if want is None else completion_logprobs(
+                    state, d.token_ids, d.logprobs, _tops(d.top_logprobs, len(d.token_ids)),
+                    want, sent_chars[d.index])
                 sent_chars[d.index] += len(text)
                 choice = {"index": d.index, "text": text, "logprobs": logprobs,
                           "finish_reason": finish_reason(d.finished_reason)}
                 if d.finished_reason is not None:
                     choice["matched_stop"] = matched_stop(d.finished_reason)
-                yield sse(dict(job.header("text_completion"), choices=[choice]))
+                chunk = dict(job.header("text_completion"), choices=[choice])
+                usage = job.stream_usage(completion_tokens)
+                if usage is not None:
+                    chunk["usage"] = usage
+                yield sse(chunk)
     except EngineError as e:
         yield sse(APIError(str(e), 500).body())
-    options = job.body.stream_options
-    if options is not None and options.include_usage:
+    if job.include_usage():
         yield sse(dict(job.header("text_completion"), choices=[],
-                       usage=job.usage(completion_tokens)))
-    yield SSE_DONE
-
-
-# ---- chat ----
-
-async def chat_completions(state: ServerState, request: Request, body: ChatCompletionRequest):
-    state.check_model(body.model)
-    state.need_tokenizer()
-    if state.tokenizer.chat_template is None:
-        raise APIError("this model's tokenizer has no chat template; use /v1/completions", 400,
-                       "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        ids = await state.encode_chat(messages)
-    except Exception as e:  # a template may raise on messages it does not accept
-        raise APIError(f"the chat template rejected the messages: {e}", 400, "messages") from None
-    if body.max_tokens is not None and body.max_completion_tokens is not None:
-        raise APIError("give max_tokens or max_completion_tokens, not both", 400, "max_tokens")
-    max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-    job = _Job(state, body, [ids], max_tokens, None, body.logprobs, "messages")
-    group = await state.submit(job.specs)
-    if body.stream:
-        return StreamingResponse(_chat_stream(state, request, job, group),
-                                 media_type="text/event-stream")
-    async with state.running(request, group):
-        results = await collect(group)
-    choices = []
-    for i, r in enumerate(results):
-        choices.append({
-            "index": i, "message": {"role": "assistant", "content": r.text(state.tokenizer)},
-            "logprobs": _chat_logprobs(state, r.token_ids, r.logprobs, body.top_logprobs)
-            if body.logprobs else None,
-            "finish_reason": finish_reason(r.finished_reason),
-            "matched_stop": matched_stop(r.finished_reason)})
-    usage = job.usage(sum(len(r.token_ids) for r in results))
-    return JSONResponse(dict(job.header("chat.completion"), choices=choices, usage=usage))
-
-
-async def _chat_stream(state, request, job: _Job, group):
-    body = job.body
-    detoks = [IncrementalDetokenizer(state.tokenizer, job.stops) for _ in job.specs]
-    completion_tokens = 0
-
-    def chunk(index, delta, logprobs=None, reason=None):
-        choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": finish_reason(reason)}
-        if reason is not None:
-            choice["matched_stop"] = matched_stop(reason)
-        return sse(dict(job.header("chat.completion.chunk"), choices=[choice]))
-
-    try:
-        async with state.running(request, group):
-            for i in range(len(job.specs)):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for d in group.deltas():
-                completion_tokens += len(d.token_ids)
-                text = detoks[d.index].add(d.token_ids)
-                if d.finished_reason is not None:
-                    text += detoks[d.index].finish(d.stopped_text)[1]
-                if not text and d.finished_reason is None and not (body.logprobs and d.token_ids):
-                    continue
-                logprobs = _chat_logprobs(state, d.token_ids, d.logprobs, body.top_logprobs) \
-                    if body.logprobs else None
-                yield chunk(d.index, {"content": text} if text else {}, logprobs,
-                            d.finished_reason)
-    except EngineError as e:
-        yield sse(APIError(str(e), 500).body())
-    if body.stream_options is not None and body.stream_options.include_usage:
-        yield sse(dict(job.header("chat.completion.chunk"), choices=[],
-                       usage=job.usage(completion_tokens)))
+                       usage=job.usage(completion_tokens, cached)))
     yield SSE_DONE

@@ -10,7 +10,7 @@ import time
 
 from starlette.requests import Request
 
-from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.engine_lifecycle import EngineNotReadyError
 from jaxrunner.server.detokenizer import decode, final_text
 from jaxrunner.server.engine_loop import Delta, EngineError, EngineLoop, RequestGroup, RequestSpec
 from jaxrunner.server.metrics import ServerMetrics
@@ -24,6 +24,10 @@ class ServerState:
     metrics: ServerMetrics
     served_model_name: str
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # A Jinja chat template that replaces the tokenizer's (--chat-template), or None.
+    chat_template: str | None = None
+    tool_call_parser: str | None = None    # --tool-call-parser (jaxrunner/server/tool_calls.py)
+    reasoning_parser: str | None = None    # --reasoning-parser (jaxrunner/server/reasoning.py)
 
     @property
     def tokenizer(self):
@@ -48,53 +52,52 @@ class ServerState:
         self.need_tokenizer()
         return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Applies the checkpoint's chat template and tokenizes, in a worker thread. The template
-        writes its own special tokens (BOS), so encoding adds none."""
+    async def encode_chat(self, messages: list[dict], tools=None, *,
+                          add_generation_prompt: bool = True,
+                          continue_final_message: bool = False, **template_kwargs) -> list[int]:
+        """Applies the chat template (--chat-template's, else the checkpoint's) and tokenizes,
+        in a worker thread. The template writes its own special tokens (BOS), so encoding adds
+        none. `continue_final_message`: the last (assistant) message is left open, for the
+        model to continue."""
         def run():
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False,
+                chat_template=self.chat_template, **template_kwargs)
             return self.tokenizer.encode(text, add_special_tokens=False)
         return await asyncio.to_thread(run)
 
-    def check_prompt(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise APIError(f"{param} is empty", 400, param)
-        vocab = self.engine.model_config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise APIError(f"token id {t!r} in {param} is outside the vocabulary "
-                               f"[0, {vocab})", 400, param)
-        if len(ids) >= self.context_len:
-            raise APIError(f"{param} has {len(ids)} tokens; this model's context length is "
-                           f"{self.context_len} tokens, and the prompt must leave room for at "
-                           f"least one new token", 400, param)
-
-    def max_new_tokens(self, ids: list[int], requested: int | None, default: int | None,
-                       param: str = "max_tokens") -> int:
-        """The output budget: `requested` (checked against the context), else `default`
-        capped by the room left, else all the room left."""
-        room = self.context_len - len(ids)
+    def max_new_tokens(self, requested: int | None, default: int | None,
+                       param: str = "max_tokens") -> tuple[int, bool]:
+        """(max_new_tokens, strict): a `requested` budget must fit the context with the
+        prompt (strict, as OpenAI's); a default is capped to the room left."""
         if requested is None:
-            return room if default is None else min(default, room)
+            return (self.context_len if default is None else default), False
         if requested < 1:
             raise APIError(f"{param} must be at least 1, got {requested}", 400, param)
-        if requested > room:
-            raise APIError(f"This model's maximum context length is {self.context_len} tokens. "
-                           f"However, you requested {len(ids) + requested} tokens "
-                           f"({len(ids)} in the prompt, {requested} in the completion).", 400,
-                           param)
-        return requested
+        return requested, True
 
-    def check_sampling(self, params: dict, where: str = "") -> None:
-        """The engine's own validation, run here so a bad value is a 400 before anything
-        is queued."""
-        try:
-            SamplingParams.from_dict(params).verify(self.engine.model_config.vocab_size)
-        except (ValueError, TypeError) as e:
-            message = str(e)
-            param = message.split("=", 1)[0] if "=" in message else None
-            raise APIError(f"{where}{message}", 400, param) from None
+    async def make_requests(self, specs: list[RequestSpec], where=None) -> None:
+        """Validates every spec and makes its `Req` (`Engine.make_request`: the one validation
+        the offline engine runs too; grammars compile here), in a worker thread so neither the
+        event loop nor the engine loop waits for a grammar. A bad spec is a 400 naming it;
+        `where(i)` prefixes spec i's message."""
+        def run():
+            for i, spec in enumerate(specs):
+                try:
+                    spec.req = self.engine.make_request(
+                        spec.input_ids, spec.sampling_params,
+                        return_logprob=spec.return_logprob, **spec.options)
+                except EngineNotReadyError as e:
+                    raise APIError(str(e), 503) from None
+                except (ValueError, TypeError) as e:
+                    message = str(e)
+                    param = message.split("=", 1)[0] if "=" in message else None
+                    if param is not None and not param.isidentifier():
+                        param = None
+                    prefix = where(i) if where is not None else ""
+                    raise APIError(f"{prefix}{message}", 400, param) from None
+        await asyncio.to_thread(run)
 
     async def submit(self, specs: list[RequestSpec]) -> RequestGroup:
         try:
@@ -130,17 +133,25 @@ class Result:
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)
     finished_reason: dict | None = None
     stopped_text: str | None = None
     weight_version: str | None = None
+    cached_tokens: int = 0
+    input_logprobs: list | None = None
+    input_top_logprobs: list | None = None
 
     def add(self, delta: Delta) -> None:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.top_logprobs += delta.top_logprobs
         if delta.finished_reason is not None:
             self.finished_reason = delta.finished_reason
             self.stopped_text = delta.stopped_text
             self.weight_version = delta.weight_version
+            self.cached_tokens = delta.cached_tokens
+            self.input_logprobs = delta.input_logprobs
+            self.input_top_logprobs = delta.input_top_logprobs
 
     def text(self, tokenizer) -> str | None:
         return None if tokenizer is None else final_text(tokenizer, self.token_ids,

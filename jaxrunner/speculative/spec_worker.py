@@ -118,6 +118,10 @@ class SpeculativeWorker:
         return self.target.context_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
     def dp_size(self) -> int:
         return 1
 
@@ -130,11 +134,13 @@ class SpeculativeWorker:
     # ---- prefill: the target, then the draft over the same tokens ----
 
     def forward_batch_generation(self, batch: ModelWorkerBatch,
-                                 prev: GenerationBatchResult | None = None
-                                 ) -> GenerationBatchResult:
+                                 prev: GenerationBatchResult | None = None,
+                                 vocab_mask_fn=None) -> GenerationBatchResult:
+        """A prefill step of the target (its first token sampled as usual; grammars are
+        refused under speculation, so `vocab_mask_fn` gives no mask), then the draft's."""
         if self.algorithm in HEADS:
             batch = dataclasses.replace(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
-        result = self.target.forward_batch_generation(batch, prev)
+        result = self.target.forward_batch_generation(batch, prev, vocab_mask_fn)
         if self.draft is None:
             return result
         draft = self.draft

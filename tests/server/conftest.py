@@ -34,7 +34,8 @@ def engine_flags(kwargs: dict) -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, model_path, engine_kwargs: dict, log_path, extra: list[str] = ()):
+    def __init__(self, model_path, engine_kwargs: dict, log_path, extra: list[str] = (),
+                 env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
@@ -42,11 +43,11 @@ class ServerProcess:
                "--port", str(self.port), "--served-model-name", MODEL_NAME,
                "--log-level", "warning", *engine_flags(engine_kwargs), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                                     env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})))
         self.log_path = log_path
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
@@ -82,7 +83,9 @@ def model_path(checkpoint):
 @pytest.fixture(scope="session")
 def server(model_path, engine_kwargs, tmp_path_factory):
     """One server for the suite (each start compiles or loads every bucket)."""
-    proc = ServerProcess(model_path, engine_kwargs,
+    # No whitespace between JSON tokens: a random model would fill its budget with it.
+    proc = ServerProcess(model_path, dict(engine_kwargs,
+                                          constrained_json_disable_any_whitespace=True),
                          tmp_path_factory.mktemp("server") / "server.log")
     try:
         proc.wait_ready()

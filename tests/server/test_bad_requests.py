@@ -13,6 +13,7 @@ COMPLETION = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 GENERATE = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8}}
 LONG_IDS = [5] * 2100  # past the 2048-token context
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def _with(base, **changes):
@@ -46,10 +47,22 @@ BAD = [
     ("/v1/completions", _with(COMPLETION, top_k=-2), 400, "top_k"),
     ("/v1/completions", _with(COMPLETION, min_p=2.0), 400, "min_p"),
     ("/v1/completions", _with(COMPLETION, n=0), 400, "n"),
-    ("/v1/completions", _with(COMPLETION, logprobs=10), 400, "logprobs"),
+    ("/v1/completions", _with(COMPLETION, logprobs=21), 400, "logprobs"),
     ("/v1/completions", _with(COMPLETION, stop_token_ids=[5000]), 400, "stop_token_ids"),
-    ("/v1/completions", _with(COMPLETION, frequency_penalty=0.5), 400, "frequency_penalty"),
-    ("/v1/completions", _with(COMPLETION, echo=True), 400, "echo"),
+    ("/v1/completions", _with(COMPLETION, frequency_penalty=2.5), 400, "frequency_penalty"),
+    ("/v1/completions", _with(COMPLETION, repetition_penalty=0.0), 400, "repetition_penalty"),
+    ("/v1/completions", _with(COMPLETION, logit_bias={"99999": 1}), 400, "logit_bias"),
+    ("/v1/completions", _with(COMPLETION, logit_bias={"5": 500}), 400, "logit_bias"),
+    ("/v1/completions", _with(COMPLETION, echo=True, stream=True, logprobs=1), 400, "echo"),
+    ("/v1/completions", _with(COMPLETION, regex="(unclosed"), 400, "invalid regex"),
+    ("/v1/completions", _with(COMPLETION, json_schema="{not json"), 400, "invalid json_schema"),
+    ("/v1/completions", _with(COMPLETION, json_schema={"type": "nonsense"}), 400,
+     "invalid json_schema"),
+    ("/v1/completions", _with(COMPLETION, ebnf="root ::= missing_rule"), 400, "invalid ebnf"),
+    ("/v1/completions", _with(COMPLETION, regex="a", ebnf='root ::= "a"'), 400,
+     "at most one of"),
+    ("/v1/completions", _with(COMPLETION, stop_regex="("), 400, "stop_regex"),
+    ("/v1/completions", _with(COMPLETION, min_tokens=9), 400, "min_new_tokens"),
     ("/v1/chat/completions", _with(CHAT, messages=[]), 400, "messages"),
     ("/v1/chat/completions", _with(CHAT, messages="hi"), 400, "messages"),
     ("/v1/chat/completions", _with(CHAT, messages=[{"role": "robot", "content": "x"}]), 400,
@@ -58,6 +71,20 @@ BAD = [
     ("/v1/chat/completions", _with(CHAT, top_logprobs=50, logprobs=True), 400, "top_logprobs"),
     ("/v1/chat/completions", _with(CHAT, max_tokens=0), 400, "max_tokens"),
     ("/v1/chat/completions", _with(CHAT, tools=[{"type": "function"}]), 400, "tools"),
+    ("/v1/chat/completions", _with(CHAT, tools=[TOOL]), 400, "--tool-call-parser"),
+    ("/v1/chat/completions",
+     _with(CHAT, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     400, "nope"),
+    ("/v1/chat/completions", _with(CHAT, tool_choice="required"), 400, "tool_choice needs tools"),
+    ("/v1/chat/completions",
+     _with(CHAT, response_format={"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}),
+     400, "invalid json_schema"),
+    ("/v1/chat/completions", _with(CHAT, continue_final_message=True), 400,
+     "continue_final_message"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400,
+     "previous_response_id"),
+    ("/v1/responses", {"input": [{"type": "image", "url": "x"}]}, 400, "image"),
     ("/v1/chat/completions",
      _with(CHAT, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
      "messages"),
@@ -73,6 +100,13 @@ BAD = [
     # The expert distribution recorder's routes on a dense model.
     ("/start_expert_distribution_record", {}, 400, "has no experts"),
     ("/dump_expert_distribution_record", {}, 400, "need a MoE model"),
+    ("/generate", _with(GENERATE, top_logprobs_num=3), 400, "need return_logprob"),
+    ("/generate", _with(GENERATE, return_logprob=True, top_logprobs_num=21), 400,
+     "top_logprobs_num"),
+    ("/generate", _with(GENERATE, return_logprob=True, logprob_start_len=99), 400,
+     "logprob_start_len"),
+    ("/generate", _with(GENERATE, sampling_params={"n": 0}), 400, "n="),
+    ("/generate", _with(GENERATE, sampling_params={"regex": "[a-"}), 400, "invalid regex"),
     ("/nowhere", {}, 404, "Not Found"),
 ]
 

@@ -1,0 +1,229 @@
+"""OpenAI's Responses API (`POST /v1/responses`), streamed and not, over the chat pipeline
+(jaxrunner/server/chat_api.py): the input items become chat messages, and the chat output
+(reasoning, text, tool calls) becomes output items. Nothing is stored, so `previous_response_id`
+is refused: a client sends the whole conversation as `input`.
+"""
+
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from jaxrunner.server.chat_api import ChoiceOutput, start_chat
+from jaxrunner.server.detokenizer import IncrementalDetokenizer
+from jaxrunner.server.engine_loop import EngineError
+from jaxrunner.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
+                                       ResponsesRequest)
+from jaxrunner.server.state import ServerState, collect
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in (
+                    "input_text", "output_text", "text"):
+                raise APIError(f"input content part {part!r} is not text (only text input is "
+                               "supported)", 400, "input")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+    raise APIError(f"input content {content!r} must be a string or a list of text parts", 400,
+                   "input")
+
+
+def chat_messages(body: ResponsesRequest) -> list[dict]:
+    """The conversation of `instructions` + `input` as chat messages."""
+    messages = [] if body.instructions is None else [{"role": "system",
+                                                      "content": body.instructions}]
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
+        else body.input
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _text_of(item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": _text_of(item.get("output"))})
+        elif kind == "reasoning":
+            continue  # earlier turns' reasoning is not sent back to the model
+        else:
+            raise APIError(f"input item type {kind!r} is not supported (message, function_call, "
+                           "function_call_output, reasoning)", 400, "input")
+    return messages
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request that runs a Responses request."""
+    bad = body.unsupported()
+    if bad:
+        raise APIError("unsupported request field(s): " + "; ".join(bad), 400)
+    fields = {"messages": [ChatMessage.model_validate(m, strict=False)
+                           for m in chat_messages(body)],
+              "model": body.model, "max_tokens": body.max_output_tokens,
+              "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+              "seed": body.seed, "stream": body.stream}
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        fields["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
+            "type": "json_schema", "json_schema": {"name": fmt.name or "response",
+                                                   "schema": fmt.schema_}}
+    if body.tools:
+        fields["tools"] = [{"type": "function", "function": t.model_dump(
+            exclude_none=True, exclude={"type"})} for t in body.tools]
+    choice = body.tool_choice
+    if choice is not None:
+        fields["tool_choice"] = choice if isinstance(choice, str) else {
+            "type": "function", "function": {"name": choice.name}}
+    try:
+        return ChatCompletionRequest.model_validate(fields, strict=False)
+    except ValueError as e:
+        raise APIError(f"invalid request: {e}", 400) from None
+
+
+class _Builder:
+    """Output items and the response object of one Responses request."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest):
+        self.state, self.body = state, body
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def response(self, status: str, output: list, usage=None, reason=None) -> dict:
+        body = self.body
+        incomplete = None
+        if reason is not None and reason["type"] == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        return {"id": self.id, "object": "response", "created_at": self.created,
+                "status": status, "model": self.state.served_model_name, "output": output,
+                "error": None, "incomplete_details": incomplete,
+                "instructions": body.instructions, "metadata": body.metadata or {},
+                "max_output_tokens": body.max_output_tokens,
+                "parallel_tool_calls": body.parallel_tool_calls is not False,
+                "temperature": body.temperature, "top_p": body.top_p,
+                "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or
+                body.tool_choice is None else body.tool_choice.model_dump(),
+                "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+                "text": {"format": {"type": "text"}}, "usage": usage}
+
+    def message(self, text: str, status: str = "completed") -> dict:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [],
+                             "logprobs": []}]}
+
+    @staticmethod
+    def reasoning(text: str) -> dict:
+        return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+    @staticmethod
+    def function_call(call) -> dict:
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": call.name,
+                "arguments": call.arguments, "status": "completed"}
+
+    @staticmethod
+    def usage(job, completion_tokens: int, cached: int, reasoning_tokens: int) -> dict:
+        prompt = sum(len(p) for p in job.prompts)
+        return {"input_tokens": prompt, "output_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens,
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+
+
+async def responses(state: ServerState, request: Request, body: ResponsesRequest):
+    chat = chat_request(body)
+    job, group, plan = await start_chat(state, chat)
+    builder = _Builder(state, body)
+    if body.stream:
+        return StreamingResponse(_stream(state, request, job, group, plan, builder),
+                                 media_type="text/event-stream")
+    async with state.running(request, group):
+        (r,) = await collect(group)
+    out = ChoiceOutput(state, plan)
+    reasoning, content, calls = out.feed(r.text(state.tokenizer), final=True)
+    items = []
+    if reasoning:
+        items.append(builder.reasoning(reasoning))
+    if content or not calls:
+        items.append(builder.message(content))
+    items += [builder.function_call(c) for c in calls]
+    usage = builder.usage(job, len(r.token_ids), r.cached_tokens, out.reasoning_tokens(r.token_ids))
+    return JSONResponse(builder.response("completed", items, usage, r.finished_reason))
+
+
+def _event(kind: str, seq: int, **fields) -> str:
+    return f"event: {kind}\ndata: {json.dumps(dict(type=kind, sequence_number=seq, **fields))}\n\n"
+
+
+async def _stream(state, request, job, group, plan, builder: _Builder):
+    """The Responses streaming events: created, the message item's text deltas, its done
+    events, the reasoning and function-call items, completed."""
+    seq = iter(range(1 << 62))
+    detok = IncrementalDetokenizer(state.tokenizer, job.stops)
+    out = ChoiceOutput(state, plan)
+    text, reasoning, calls, tokens = "", "", [], []
+    yield _event("response.created", next(seq), response=builder.response("in_progress", []))
+    yield _event("response.in_progress", next(seq), response=builder.response("in_progress", []))
+    message_open, index = False, 0
+    try:
+        async with state.running(request, group):
+            async for d in group.deltas():
+                tokens += d.token_ids
+                final = d.finished_reason is not None
+                piece = detok.add(d.token_ids)
+                if final:
+                    piece += detok.finish(d.stopped_text)[1]
+                r, c, new_calls = out.feed(piece, final)
+                reasoning += r
+                calls += new_calls
+                if c:
+                    if not message_open:
+                        message_open, index = True, 1 if reasoning else 0
+                        yield _event("response.output_item.added", next(seq), output_index=index,
+                                     item=builder.message("", "in_progress"))
+                        yield _event("response.content_part.added", next(seq),
+                                     item_id=builder.msg_id, output_index=index, content_index=0,
+                                     part={"type": "output_text", "text": "",
+                                           "annotations": []})
+                    text += c
+                    yield _event("response.output_text.delta", next(seq), item_id=builder.msg_id,
+                                 output_index=index, content_index=0, delta=c, logprobs=[])
+                if final:
+                    reason, cached = d.finished_reason, d.cached_tokens
+    except EngineError as e:
+        yield _event("error", next(seq), message=str(e), code="server_error", param=None)
+        return
+    items = []
+    if reasoning:
+        items.append(builder.reasoning(reasoning))
+    if message_open or not calls:
+        message = builder.message(text)
+        index = len(items)
+        items.append(message)
+        yield _event("response.output_text.done", next(seq), item_id=builder.msg_id,
+                     output_index=index, content_index=0, text=text, logprobs=[])
+        yield _event("response.content_part.done", next(seq), item_id=builder.msg_id,
+                     output_index=index, content_index=0, part=message["content"][0])
+        yield _event("response.output_item.done", next(seq), output_index=index, item=message)
+    for call in calls:
+        item = builder.function_call(call)
+        items.append(item)
+        yield _event("response.output_item.added", next(seq), output_index=len(items) - 1,
+                     item=item)
+        yield _event("response.output_item.done", next(seq), output_index=len(items) - 1,
+                     item=item)
+    usage = builder.usage(job, len(tokens), cached, out.reasoning_tokens(tokens))
+    yield _event("response.completed", next(seq),
+                 response=builder.response("completed", items, usage, reason))
