@@ -38,11 +38,15 @@ def _prompts(vocab_size, seed=0):
     return [rng.integers(3, vocab_size, size=n).tolist() for n in PROMPT_LENS]
 
 
-def _prefill_logits(engine, prompts):
-    """Logits at every prompt position from one ragged EXTEND batch through the model worker."""
+def _prefill_logits(engine, prompts, overrides=None):
+    """Logits at every prompt position from one ragged EXTEND batch through the model worker
+    (each prompt with its `EmbedOverride` or None), and the serving path's last-token logits."""
     worker, scheduler = engine.worker, engine.scheduler
-    reqs = [Req(rid=i, origin_input_ids=p, sampling_params=SamplingParams(temperature=0.0).normalized(),
-                seed=0, max_new_tokens=1, eos_token_ids=frozenset()) for i, p in enumerate(prompts)]
+    overrides = overrides or [None] * len(prompts)
+    reqs = [Req(rid=10_000 + i, origin_input_ids=p,
+                sampling_params=SamplingParams(temperature=0.0).normalized(), seed=0,
+                max_new_tokens=1, eos_token_ids=frozenset(), embed_override=o)
+            for i, (p, o) in enumerate(zip(prompts, overrides))]
     batch = ScheduleBatch(reqs, ForwardMode.EXTEND, [len(p) for p in prompts],
                           scheduler.req_to_token_pool, scheduler.allocator, engine.args.page_size)
     assert batch.alloc_kv()
@@ -58,8 +62,8 @@ def _prefill_logits(engine, prompts):
         for req in reqs:
             scheduler.allocator.free(scheduler.req_to_token_pool.free_slot(req.req_pool_idx))
     last = np.asarray(out.next_token_logits)
-    starts = np.cumsum([0] + PROMPT_LENS)
-    return [logits[s:s + n] for s, n in zip(starts, PROMPT_LENS)], last
+    starts = np.cumsum([0] + [len(p) for p in prompts])
+    return [logits[s:s + len(p)] for s, p in zip(starts, prompts)], last
 
 
 def test_prefill_logits_match_hf(models):

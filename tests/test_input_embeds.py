@@ -8,21 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jaxrunner import Engine
-from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.input_embeds import make_override
-from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.schedule_batch import Req, ScheduleBatch
-from tests.test_engine import CompileCounter
+from tests.test_engine import CompileCounter, engine  # noqa: F401 (a fixture)
+from tests.test_hf_parity import _prefill_logits
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint, engine_kwargs):
-    engine = Engine(model_path=str(checkpoint("tiny-llama")), **engine_kwargs)
-    yield engine
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -71,30 +61,6 @@ def _spliced_reference(hf, ids, positions, rows):
         return hf(inputs_embeds=embeds).logits[0].numpy()
 
 
-def _prefill_logits(engine, prompts, overrides):
-    """Logits at every prompt position from one EXTEND batch through the model worker."""
-    worker, scheduler = engine.worker, engine.scheduler
-    reqs = [Req(rid=10_000 + i, origin_input_ids=p,
-                sampling_params=SamplingParams(temperature=0.0).normalized(), seed=0,
-                max_new_tokens=1, eos_token_ids=frozenset(), embed_override=o)
-            for i, (p, o) in enumerate(zip(prompts, overrides))]
-    batch = ScheduleBatch(reqs, ForwardMode.EXTEND, [len(p) for p in prompts],
-                          scheduler.req_to_token_pool, scheduler.allocator, engine.args.page_size)
-    assert batch.alloc_kv()
-    worker_batch = batch.get_model_worker_batch(
-        worker.pick_bucket(ForwardMode.EXTEND, batch.num_tokens, len(reqs)))
-    worker_batch.capture_hidden_mode = CaptureHiddenMode.FULL
-    try:
-        with engine.compile_monitor.allowed():  # hidden-state capture compiles on first use
-            out = worker.forward_batch_generation(worker_batch).logits_output
-            logits = np.asarray(engine.runner.compute_logits(out.hidden_states))
-    finally:
-        for req in reqs:
-            scheduler.allocator.free(scheduler.req_to_token_pool.free_slot(req.req_pool_idx))
-    starts = np.cumsum([0] + [len(p) for p in prompts])
-    return [logits[s:s + len(p)] for s, p in zip(starts, prompts)]
-
-
 def test_replace_embeds_changes_the_logits_from_the_replaced_positions_on(engine, hf):
     rng = np.random.default_rng(1)
     prompts = _prompts(engine, [40, 21], seed=1)
@@ -102,8 +68,8 @@ def test_replace_embeds_changes_the_logits_from_the_replaced_positions_on(engine
     positions = [17, 18, 30]
     rows = (rng.standard_normal((3, hidden)) * 0.5).astype(np.float32)
     override = make_override(rows, positions, len(prompts[0]), hidden)
-    replaced, plain = _prefill_logits(engine, prompts, [override, None])
-    original, _ = _prefill_logits(engine, prompts, [None, None])
+    replaced, plain = _prefill_logits(engine, prompts, [override, None])[0]
+    original, _ = _prefill_logits(engine, prompts, [None, None])[0]
     want = _spliced_reference(hf, prompts[0], positions, rows)
     rel = np.abs(replaced - want).max() / np.abs(want).max()
     assert rel < 1e-4, f"relative error {rel:.2e} against HF on the spliced embeddings"
