@@ -110,6 +110,9 @@ PRESETS["small-draft"] = dict(PRESETS["small"], hidden_size=256, intermediate_si
 # `mask_token_id` (the last vocabulary id) and trained `block_size` (jaxrunner/dllm/).
 PRESETS["tiny-sdar"] = dict(PRESETS["tiny-qwen3"], architecture="SDARForCausalLM",
                             mask_token_id=_COMMON["vocab_size"] - 1, block_size=4)
+# The benchmark model's shapes as a block-diffusion LM (scripts/bench_dllm.py).
+PRESETS["small-sdar"] = dict(PRESETS["small"], architecture="SDARForCausalLM",
+                             mask_token_id=PRESETS["small"]["vocab_size"] - 1, block_size=4)
 
 # Mixture-of-experts presets: 8 experts, top-2. Experts are written per expert (as transformers 4
 # and 5.24 write them) unless `expert_layout` is "fused" (transformers 5's in-memory form, which
