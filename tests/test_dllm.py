@@ -107,6 +107,20 @@ def test_stop_token_ends_the_request_in_the_block_that_commits_it(engine, refere
     assert _all_pages_free(engine)
 
 
+def test_abort_mid_block_frees_everything(engine):
+    prompts = _prompts([9, 21], seed=5)
+    reqs = [engine.add_request(p, {"max_new_tokens": 16, "ignore_eos": True,
+                                   "temperature": 0.0}) for p in prompts]
+    for _ in range(4):  # the prefill, then DLLM steps part-way into the first blocks
+        engine.step()
+    assert not any(r.finished for r in reqs) and engine.scheduler.blocks
+    for req in reqs:
+        engine.abort_request(req)
+    assert all(r.finished_reason["type"] == "abort" for r in reqs)
+    assert not engine.scheduler.has_work and not engine.scheduler.blocks
+    assert _all_pages_free(engine)
+
+
 def test_sampling_is_seeded(engine):
     prompt = _prompts([10], seed=2)[0]
     params = {"max_new_tokens": 8, "temperature": 1.5, "seed": 7, "ignore_eos": True}

@@ -71,6 +71,7 @@ class DllmScheduler:
         self.record_steps = False
         self.step_log: dict[int, list[list[list[int]]]] = {}
         self.forward_ct = 0
+        self.num_dllm_steps = 0            # DLLM_EXTEND steps (store passes included)
 
     # ---- requests ----
 
@@ -257,6 +258,7 @@ class DllmScheduler:
         new_blocks = self.worker.forward_batch_dllm(
             worker_batch, DllmInput(steps_left, temperature, seeds, counters))
         self.forward_ct += 1
+        self.num_dllm_steps += 1
         updated = []
         for req, tokens in zip(reqs, new_blocks):
             block = self.blocks[req.rid]
