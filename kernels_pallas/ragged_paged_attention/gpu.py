@@ -221,9 +221,9 @@ def ragged_paged_attention_gpu(
         inputs.append(bound.astype(jnp.int32))
         in_specs.append(pl.BlockSpec((None, rows), lambda item, head, split: (item, 0)))
     kernel = functools.partial(
-        _kernel, bounded=kv_bound is not None, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        group_padded=group_padded, kv_pages=kv_pages, num_kv_splits=num_kv_splits,
-        precision=precision)
+        _kernel, bounded=kv_bound is not None, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, group_padded=group_padded, kv_pages=kv_pages,
+        num_kv_splits=num_kv_splits, precision=precision)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(num_work, num_kv_heads, num_kv_splits),

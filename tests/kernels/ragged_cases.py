@@ -116,7 +116,8 @@ def _bounds(kind: str, q_len: int, kv_len: int, rng) -> np.ndarray:
 
 
 def naive_attention(case: Case, inputs: Inputs) -> np.ndarray:
-    """Dense causal (or kv_bound) attention per sequence in float64 from the unpaged K/V: the oracle.
+    """Dense causal (or kv_bound) attention per sequence in float64 from the unpaged K/V: the
+    oracle.
 
     Returns [num_real_tokens, num_q_heads, head_dim].
     """
