@@ -121,7 +121,7 @@ def executable_mode(mode: ForwardMode) -> ForwardMode:
         return ForwardMode.DECODE
     if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
         return ForwardMode.EXTEND
-    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.DLLM_EXTEND):
         return mode
     raise ValueError(f"forward mode {mode.name} has no buckets")
 

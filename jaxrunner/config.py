@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
+DLLM_ALGORITHMS = ("LowConfidence",)
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
@@ -110,6 +111,17 @@ class EngineArgs:
     speculative_ngram_max_match: int = 8
     speculative_ngram_min_match: int = 1
 
+    # Block-diffusion LMs (jaxrunner/dllm/; SGLang's `dllm_algorithm`): None, or "LowConfidence"
+    # for a checkpoint of a block-diffusion architecture (SDAR). A request's output is made a
+    # block of `dllm_block_size` positions at a time (None: the checkpoint's `block_size`): each
+    # DLLM_EXTEND step predicts every undecided position of the block and commits those whose
+    # probability exceeds `dllm_threshold`, and at least enough to finish the block within
+    # `dllm_steps_per_block` steps (None: the block size, so one commit per step at least).
+    dllm_algorithm: str | None = None
+    dllm_block_size: int | None = None
+    dllm_threshold: float = 0.95
+    dllm_steps_per_block: int | None = None
+
     # Parallelism (jaxrunner/parallel.py): a (dp_size, tp_size) mesh. `tp_size` shards heads and
     # MLP columns (it must divide num_attention_heads); `dp_size` > 1 is DP attention, each rank
     # with its own requests and KV pages.
@@ -197,8 +209,35 @@ class EngineArgs:
         if self.dist_init_addr is not None and self.dist_init_addr.rpartition(":")[0] == "":
             raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         self._check_speculative()
+        self._check_dllm()
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    def _check_dllm(self) -> None:
+        if self.dllm_algorithm is None:
+            for name in ("dllm_block_size", "dllm_steps_per_block"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs dllm_algorithm")
+            return
+        if self.dllm_algorithm not in DLLM_ALGORITHMS:
+            raise ValueError(f"dllm_algorithm {self.dllm_algorithm!r} is not implemented; "
+                             f"algorithms: {DLLM_ALGORITHMS}")
+        for name in ("dllm_block_size", "dllm_steps_per_block"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not 0.0 <= self.dllm_threshold <= 1.0:
+            raise ValueError(f"dllm_threshold must be in [0, 1], got {self.dllm_threshold}")
+        if (self.dllm_block_size is not None and self.dllm_steps_per_block is not None
+                and self.dllm_steps_per_block > self.dllm_block_size):
+            raise ValueError(f"dllm_steps_per_block ({self.dllm_steps_per_block}) exceeds "
+                             f"dllm_block_size ({self.dllm_block_size}): a step commits at "
+                             f"least one position")
+        for name, value, off in (("speculative_algorithm", self.speculative_algorithm, None),
+                                 ("dp_size", self.dp_size, 1),
+                                 ("enable_mixed_chunk", self.enable_mixed_chunk, False)):
+            if value != off:
+                raise ValueError(f"{name}={value!r} is not implemented with dllm_algorithm")
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm

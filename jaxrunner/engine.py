@@ -6,6 +6,7 @@ from tqdm.auto import tqdm
 
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
+from jaxrunner.dllm.scheduler import DllmScheduler
 from jaxrunner.dp_scheduler import DataParallelScheduler
 from jaxrunner.engine_lifecycle import EngineLifecycle, EngineNotReadyError
 from jaxrunner.grammar import GrammarCache
@@ -47,6 +48,9 @@ class Engine(EngineLifecycle):
         if self.args.dp_size > 1:
             self.scheduler = DataParallelScheduler(self.worker, decode_text)
             self._rank_schedulers = self.scheduler.ranks
+        elif self.args.dllm_algorithm is not None:
+            self.scheduler = DllmScheduler(self.worker, decode_text)
+            self._rank_schedulers = [self.scheduler]
         else:
             self.scheduler = Scheduler(self.worker, decode_text)
             self._rank_schedulers = [self.scheduler]
@@ -60,7 +64,9 @@ class Engine(EngineLifecycle):
         self.request_factory = RequestFactory(cfg.vocab_size, cfg.eos_token_ids, self.max_req_len,
                                               self.grammar_cache, self.tokenizer is not None,
                                               self.args.random_seed,
-                                              speculative=self.args.speculative_algorithm)
+                                              speculative=self.args.speculative_algorithm,
+                                              check=(self.scheduler.check_request
+                                                     if self.args.dllm_algorithm else None))
         # Start-up objects (model, executables, tokenizer) live as long as the engine: freezing
         # them keeps the cyclic GC's full collections, which pause a step for ~0.3 s here, short.
         gc.collect()

@@ -60,6 +60,9 @@ class ForwardBatch:
     positions: jax.Array | None = None         # i32[T]: position of each token in its sequence
     extend_start_loc: jax.Array | None = None  # i32[R]: first token of each request
     token_to_req: jax.Array | None = None      # i32[T]: request row of each token (padding -> R-1)
+    # i32[T]: token t attends to KV positions < kv_bound[t] (block-diffusion steps fill it, see
+    # jaxrunner/dllm/); None: causal, position + 1.
+    kv_bound: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,9 @@ from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, extend_buck
                                pick_bucket, sample_batch_sizes, verify_buckets)
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
+from jaxrunner.dllm.algorithm import DllmInput
+from jaxrunner.dllm.plan import DllmPlan
+from jaxrunner.dllm.step import block_bound, dllm_step
 from jaxrunner.engine_lifecycle import check_memory_tags
 from jaxrunner.executable_cache import ExecutableCache
 from jaxrunner.expert_location import ExpertLocation, ExpertMover
@@ -106,12 +109,15 @@ class SpeculativePlan:
     draft_kv_bytes_per_token: int  # the draft's KV, on the same pages as the target's
 
 
-def _forward_step(graphdef, backend, moe_runner, aux_layers, state, kv_cache, fb: ForwardBatch):
+def _forward_step(graphdef, backend, moe_runner, aux_layers, state, kv_cache, fb: ForwardBatch,
+                  *, dllm_block: int | None = None):
     """The compiled step: the inputs still on the device and the positions, the decoder over all
     tokens, logits at each request's last token, the MoE layers' routed counts. With
     hidden-state capture, the hidden states after the final norm, or the inputs of `aux_layers`
-    side by side (EAGLE-3's)."""
+    side by side (EAGLE-3's). `dllm_block`: a block-diffusion LM's prefill, block-causal."""
     fb = fb.prepare()
+    if dllm_block is not None:
+        fb = fb.replace(kv_bound=block_bound(fb, dllm_block))
     model = nnx.merge(graphdef, state)
     capture = fb.capture_hidden_mode
     hidden, kv_cache, aux, expert_counts = model(
@@ -201,6 +207,7 @@ class ModelRunner:
         self.released_tags: set[str] = set()  # memory freed by release_memory_occupation
         self.attention_backend_name = resolve_backend_name(args.attention_backend, self.platform)
         self.args = self._with_platform_defaults(args)
+        self.dllm = DllmPlan.create(self.args, model_config)
         self.load_model()
         self.configure_kv_cache_dtype()
         self.init_memory_pool()
@@ -218,14 +225,19 @@ class ModelRunner:
         """The padded shapes this runner compiles. A speculative target verifies instead of
         decoding: its running requests never take a plain decode step."""
         args = self.args
+        if self.dllm is not None:  # prefill, then DLLM_EXTEND steps in place of decode
+            return (extend_buckets(args.max_prefill_tokens, args.max_running_requests)
+                    + verify_buckets(args.max_running_requests, self.dllm.block_size,
+                                     ForwardMode.DLLM_EXTEND))
         if self.speculative is None:
             return all_buckets(args.max_prefill_tokens, args.max_running_requests)
         return (extend_buckets(args.max_prefill_tokens, args.max_running_requests)
                 + verify_buckets(args.max_running_requests, self.speculative.window))
 
     def sample_sizes(self) -> list[int]:
-        """The padded request counts the sampler is compiled for."""
-        return sample_batch_sizes(self.buckets)
+        """The padded request counts the sampler is compiled for (DLLM_EXTEND steps decide
+        their tokens themselves)."""
+        return sample_batch_sizes([b for b in self.buckets if b.mode != ForwardMode.DLLM_EXTEND])
 
     def capture_for(self, bucket: Bucket) -> CaptureHiddenMode:
         """The capture mode `bucket`'s executable is compiled with: an EAGLE head reads every
@@ -504,7 +516,7 @@ class ModelRunner:
         return (repr(jax.tree.map(describe, self.state)), describe(kv), args,
                 dataclasses.asdict(self.sharded_config), self.attention_backend_name,
                 self.compiler_options, self.max_batch_rows, self.max_pages_per_req,
-                str(self.parallel.mesh), self.speculative)
+                str(self.parallel.mesh), self.speculative, self.dllm)
 
     def _compiled(self, name: str, lower):
         """The executable `name`: from the executable cache, or lowered and compiled."""
@@ -520,6 +532,13 @@ class ModelRunner:
 
     def step_function(self, mode: ForwardMode):
         """(weights, kv_cache, fb) -> (output, kv_cache) compiled for `mode`'s buckets."""
+        if mode == ForwardMode.DLLM_EXTEND:
+            plan = self.dllm
+            return partial(dllm_step, self.graphdef, self.attn_backend, self.moe_runner,
+                           plan.block_size, plan.mask_id, plan.threshold)
+        if self.dllm is not None:
+            return partial(_forward_step, self.graphdef, self.attn_backend, self.moe_runner,
+                           self.aux_layers, dllm_block=self.dllm.block_size)
         if mode == ForwardMode.TARGET_VERIFY:
             return partial(verify_step, self.graphdef, self.attn_backend, self.moe_runner,
                            self.aux_layers, self.speculative.capture)
@@ -627,7 +646,14 @@ class ModelRunner:
             logprob_target_ids=i32(T), spec_info=self.spec_info_spec(bucket))
 
     def spec_info_spec(self, bucket: Bucket):
-        """The abstract `ForwardBatch.spec_info` of a bucket (None outside speculative modes)."""
+        """The abstract `ForwardBatch.spec_info` of a bucket (None outside speculative and DLLM
+        modes)."""
+        if bucket.mode == ForwardMode.DLLM_EXTEND:
+            r = bucket.num_reqs
+            return DllmInput(steps_left=jax.ShapeDtypeStruct((r,), jnp.int32),
+                             temperature=jax.ShapeDtypeStruct((r,), jnp.float32),
+                             seeds=jax.ShapeDtypeStruct((r,), jnp.int32),
+                             counters=jax.ShapeDtypeStruct((r,), jnp.int32))
         if bucket.mode != ForwardMode.TARGET_VERIFY:
             return None
         R, plan = bucket.num_reqs, self.speculative
@@ -671,6 +697,8 @@ class ModelRunner:
             return self.forward_target_verify(fb)
         if mode.is_draft_extend():
             return self.forward_draft_extend(fb)
+        if mode.is_dllm_extend():
+            return self.forward_dllm_extend(fb)
         if mode.is_idle():
             raise ForwardModeNotImplemented(
                 "forward mode IDLE has no step of its own: a data-parallel rank without work "
@@ -684,6 +712,14 @@ class ModelRunner:
             raise ForwardModeNotImplemented("forward mode TARGET_VERIFY runs only on the target "
                                             "of speculative decoding (speculative_algorithm)")
         return self._replay(Bucket(ForwardMode.TARGET_VERIFY, fb.num_tokens, fb.batch_size), fb)
+
+    def forward_dllm_extend(self, fb: ForwardBatch) -> jax.Array:
+        """DLLM_EXTEND: every request's block, B tokens each, bucketed by batch size; returns
+        the blocks after the step's commits (i32[R, B], jaxrunner/dllm/)."""
+        if self.dllm is None:
+            raise ForwardModeNotImplemented("forward mode DLLM_EXTEND runs only for a "
+                                            "block-diffusion LM (dllm_algorithm)")
+        return self._replay(Bucket(ForwardMode.DLLM_EXTEND, fb.num_tokens, fb.batch_size), fb)
 
     def forward_draft_extend(self, fb: ForwardBatch):
         raise ForwardModeNotImplemented("forward mode DRAFT_EXTEND runs only on an EAGLE draft "

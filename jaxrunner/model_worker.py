@@ -124,6 +124,11 @@ class ModelWorker:
         return self.model_runner.model_config.vocab_size
 
     @property
+    def dllm_plan(self):
+        """The block-diffusion plan (`dllm.plan.DllmPlan`), or None for an autoregressive LM."""
+        return self.model_runner.dllm
+
+    @property
     def dp_size(self) -> int:
         return self.model_runner.parallel.dp_size
 
@@ -154,6 +159,16 @@ class ModelWorker:
                                                         runner.input_embeds_for(batch))
         return self.forward(forward_batch, sampling, batch.num_reqs, batch.num_tokens,
                             batch.slot_entries, vocab_mask_fn)
+
+    def forward_batch_dllm(self, batch: ModelWorkerBatch, info) -> np.ndarray:
+        """Runs a DLLM_EXTEND step (`info`: its `dllm.algorithm.DllmInput`, host arrays) and
+        waits for it; returns the real requests' blocks after the step's commits, i32[n, B]."""
+        runner = self.model_runner
+        forward_batch, _ = ForwardBatch.init_new(batch, runner.no_prev_tokens,
+                                                 runner.no_input_embeds)
+        info = jax.device_put(info, runner.io_sharding)
+        blocks = runner.forward(forward_batch.replace(spec_info=info))
+        return np.asarray(blocks)[:batch.num_reqs]
 
     def forward(self, forward_batch: ForwardBatch, sampling, num_reqs: int, num_tokens: int = 0,
                 slot_entries=(), vocab_mask_fn=None) -> GenerationBatchResult:

@@ -16,6 +16,7 @@ import itertools
 import numbers
 import random
 import threading
+from collections.abc import Callable
 
 from jaxrunner.grammar import GrammarCache
 from jaxrunner.sampling_batch import BIAS_TABLE_SIZE
@@ -29,12 +30,14 @@ class RequestFactory:
 
     def __init__(self, vocab_size: int, eos_token_ids, max_req_len: int,
                  grammar_cache: GrammarCache | None, has_tokenizer: bool, random_seed: int,
-                 speculative: str | None = None):
+                 speculative: str | None = None, check: Callable[[Req], None] | None = None):
         """`max_req_len`: the most tokens (prompt + output) one request may reach.
         `grammar_cache` None: no tokenizer, so no grammars. `speculative`: the engine's
         speculative algorithm (its verify rounds accept by temperature / top-k / top-p / min-p
-        only, so options that change the sampler are refused)."""
+        only, so options that change the sampler are refused). `check`: the scheduler's own
+        refusals (a block-diffusion LM's, `DllmScheduler.check_request`), raising ValueError."""
         self.speculative = speculative
+        self.check = check
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_req_len = max_req_len
@@ -94,11 +97,14 @@ class RequestFactory:
         with self._lock:
             rid = next(self._rids)
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        return Req(rid=rid, origin_input_ids=ids, sampling_params=params, seed=seed,
-                   max_new_tokens=min(params.max_new_tokens, room),
-                   eos_token_ids=self.eos_token_ids, return_logprob=bool(return_logprob),
-                   priority=int(priority), grammar=grammar, top_logprobs_num=top,
-                   logprob_start_len=start, embed_override=embed_override)
+        req = Req(rid=rid, origin_input_ids=ids, sampling_params=params, seed=seed,
+                  max_new_tokens=min(params.max_new_tokens, room),
+                  eos_token_ids=self.eos_token_ids, return_logprob=bool(return_logprob),
+                  priority=int(priority), grammar=grammar, top_logprobs_num=top,
+                  logprob_start_len=start, embed_override=embed_override)
+        if self.check is not None:
+            self.check(req)
+        return req
 
     def _check_speculative(self, params: SamplingParams, top: int, start: int) -> None:
         """What speculative decoding does not implement, refused by name."""

@@ -242,8 +242,9 @@ class ScheduleBatch:
         page_table = np.full((R, self.req_to_token_pool.max_pages_per_req), DUMMY_PAGE, np.int32)
         req_pool_indices = np.full(R, -1, np.int32)
         next_token_ids = np.zeros(R, np.int32)
-        # A verify step's tokens past the first are the drafts, filled on the device.
-        verify = self.forward_mode == ForwardMode.TARGET_VERIFY
+        # A verify step's tokens past the first are the drafts, filled on the device; a DLLM
+        # step's block is filled by its scheduler (jaxrunner/dllm/scheduler.py).
+        verify = self.forward_mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DLLM_EXTEND)
         input_embeds_src = np.full(T, -1, np.int32)
         given_embeds = []
         logprob_target_ids = np.full(T, -1, np.int32)

@@ -26,6 +26,7 @@ from kernels_pallas.ragged_paged_attention import check_static_args
 
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
 _TARGET = "jaxrunner_ragged_paged_attention"
+_TARGET_BOUNDED = "jaxrunner_ragged_paged_attention_bounded"
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast"]
 
 
@@ -99,6 +100,9 @@ def load() -> None:
         raise KernelBuildError(f"loading {path} failed: {e}") from e
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttention),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(_TARGET_BOUNDED,
+                                jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttentionBounded),
+                                platform="cpu")
 
 
 @functools.cache
@@ -113,18 +117,20 @@ def unavailable_reason() -> str | None:
 
 def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None):
+                               soft_cap: float | None = None, kv_bound=None):
     """Ragged paged attention on the CPU; see `kernels_pallas.ragged_paged_attention`.
 
     float32 or bfloat16 (q and kv_cache alike), float32 accumulation; padded tokens give zeros.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap)
+                      sliding_window, soft_cap, kv_bound)
     if q.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):
         raise ValueError(f"ragged_paged_attention_cpu takes f32 or bf16, got {q.dtype}")
     load()
-    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
-        q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+    # A causal call keeps the original target, so its executables do not change.
+    target, bound = (_TARGET, ()) if kv_bound is None else (_TARGET_BOUNDED, (kv_bound,))
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+        q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *bound,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int64(sliding_window or 0))
 

@@ -7,7 +7,8 @@
 //
 // The work is split into items of (sequence, KV head, block of query tokens); an item holds the
 // block's query rows for all heads of the group (rows = tokens x group), walks only the KV
-// positions its rows can see (causal and sliding-window bounds per block, so a prefill does
+// positions its rows can see (causal, or per-token kv_bound, and sliding-window bounds per
+// block, so a prefill does
 // about half the work of a full square) in tiles of kTile keys with an online softmax, and reads
 // each K/V row of the cache once per item. Items run on XLA's intra-op thread pool.
 //
@@ -163,6 +164,7 @@ struct Problem {
   int64_t num_pages, page_size, pages_per_seq;
   float sm_scale, soft_cap;  // soft_cap 0: none
   int64_t window;            // 0: none
+  const int32_t* bound;      // [num_tokens]: token t sees KV positions < bound[t]; null: causal
 };
 
 struct Item {
@@ -324,9 +326,16 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
   std::fill(o, o + rows * Dp, 0.f);
 
   const int64_t pos_lo = first_pos + (it.token_begin - q_begin);
-  const int64_t pos_hi = first_pos + (it.token_end - q_begin) - 1;
   const int64_t kv_begin = P.window > 0 ? std::max<int64_t>(0, pos_lo - P.window + 1) : 0;
-  const int64_t kv_end = std::min(kv_len, pos_hi + 1);
+  // The KV end each row sees: its position + 1 (causal) or its bound.
+  auto row_end = [&](int64_t t) {
+    const int64_t end = P.bound ? int64_t(P.bound[t]) : first_pos + (t - q_begin) + 1;
+    return std::min<int64_t>(kv_len, end);
+  };
+  int64_t kv_end = row_end(it.token_end - 1);
+  if (P.bound)
+    for (int64_t t = it.token_begin; t < it.token_end - 1; ++t)
+      kv_end = std::max(kv_end, row_end(t));
   const int64_t stride_token = 2 * P.num_kv_heads * D;  // one slot of a page
   const int32_t* page_row = P.pages + int64_t(it.seq) * P.pages_per_seq;
 
@@ -378,7 +387,7 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
       float* sr = s + r * kTile;
       const int64_t pos = pos_lo + r / G;
       // Visible keys of this row within the tile: [lo, hi).
-      const int64_t hi = std::min<int64_t>(n, std::min(pos + 1, kv_len) - c0);
+      const int64_t hi = std::min<int64_t>(n, row_end(it.token_begin + r / G) - c0);
       const int64_t lo = P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1 - c0) : 0;
       if (hi <= lo) {
         std::fill(sr, sr + kTile, 0.f);  // nothing visible: contributes p = 0
@@ -436,7 +445,8 @@ std::vector<Item> make_items(const Problem<T>& P, int32_t num_seqs) {
     for (int64_t t0 = begin; t0 < end; t0 += block) {
       const int64_t t1 = std::min(end, t0 + block);
       // Cost ~ rows x keys they can see (the block's last token sees the most).
-      const int64_t keys = std::max<int64_t>(1, std::min(kv_len, kv_len - (end - t1)));
+      const int64_t keys = P.bound ? std::max<int64_t>(1, kv_len)
+                                   : std::max<int64_t>(1, std::min(kv_len, kv_len - (end - t1)));
       const int64_t span = P.window > 0 ? std::min<int64_t>(keys, P.window + (t1 - t0)) : keys;
       for (int64_t h = 0; h < P.num_kv_heads; ++h)
         items.push_back({s, int32_t(h), int32_t(t0), int32_t(t1), (t1 - t0) * span});
@@ -472,8 +482,8 @@ template <typename T>
 ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-               ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
-               int64_t sliding_window) {
+               const int32_t* bound, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+               float soft_cap, int64_t sliding_window) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = kv.dimensions();
   if (q_dims.size() != 3 || kv_dims.size() != 4 || page_indices.dimensions().size() != 2)
@@ -496,6 +506,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   P->sm_scale = sm_scale;
   P->soft_cap = soft_cap;
   P->window = sliding_window;
+  P->bound = bound;
 
   const int64_t max_num_seqs = kv_lens.element_count();
   const int32_t seqs = std::clamp<int32_t>(num_seqs.typed_data()[0], 0, int32_t(max_num_seqs));
@@ -519,28 +530,51 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   return ffi::Error::Success();
 }
 
+ffi::Error dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
+                    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                    ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                    const int32_t* bound, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                    float soft_cap, int64_t sliding_window) {
+  if (q.element_type() != kv.element_type() || out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q, kv_cache and out dtypes differ");
+  switch (q.element_type()) {
+    case ffi::F32:
+      return run<float>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, bound, out,
+                        sm_scale, soft_cap, sliding_window);
+    case ffi::BF16:
+      return run<BF16>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, bound, out,
+                       sm_scale, soft_cap, sliding_window);
+    default:
+      return ffi::Error::InvalidArgument("ragged_paged_attention: dtype must be f32 or bf16");
+  }
+}
+
 ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                                   ffi::Buffer<ffi::S32> kv_lens,
                                   ffi::Buffer<ffi::S32> page_indices,
                                   ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                                   ffi::Result<ffi::AnyBuffer> out, float sm_scale,
                                   float soft_cap, int64_t sliding_window) {
-  if (q.element_type() != kv.element_type() || out->element_type() != q.element_type())
-    return ffi::Error::InvalidArgument("ragged_paged_attention: q, kv_cache and out dtypes differ");
-  switch (q.element_type()) {
-    case ffi::F32:
-      return run<float>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out, sm_scale,
-                        soft_cap, sliding_window);
-    case ffi::BF16:
-      return run<BF16>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out, sm_scale,
-                       soft_cap, sliding_window);
-    default:
-      return ffi::Error::InvalidArgument("ragged_paged_attention: dtype must be f32 or bf16");
-  }
+  return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, nullptr, out,
+                  sm_scale, soft_cap, sliding_window);
+}
+
+// The same with a per-token KV bound (block-diffusion and other non-causal extends).
+ffi::Error ragged_paged_attention_bounded(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
+    ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+    ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> kv_bound,
+    ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap, int64_t sliding_window) {
+  if (kv_bound.element_count() != q.dimensions()[0])
+    return ffi::Error::InvalidArgument("ragged_paged_attention: kv_bound must be [num_tokens]");
+  return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs,
+                  kv_bound.typed_data(), out, sm_scale, soft_cap, sliding_window);
 }
 
 }  // namespace
 
+// The two bindings differ in kv_bound only (XLA_FFI_DEFINE_HANDLER_SYMBOL wants the binding
+// spelled out).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttention, ragged_paged_attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -550,6 +584,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttention, ragged_paged_attent
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttentionBounded,
+                              ragged_paged_attention_bounded,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_bound
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

@@ -27,7 +27,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    # SDAR (JetAstra): a block-diffusion LM whose network is Qwen3's (jaxrunner/dllm/).
+    "SDARForCausalLM",
 )
+# Block-diffusion LMs: served only with `dllm_algorithm`, and need `mask_token_id`.
+DLLM_ARCHITECTURES = ("SDARForCausalLM",)
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -150,6 +154,14 @@ class ModelConfig:
     # Expert slots the model holds: num_experts plus redundant copies for load balancing (EPLB);
     # set by the engine (models/sharding.py), never by config.json.
     num_physical_experts: int = 0
+    # Block-diffusion LMs (DLLM_ARCHITECTURES): the token a block's undecided positions hold,
+    # and the block length the model was trained with (None where the config names none).
+    mask_token_id: int | None = None
+    dllm_block_size: int | None = None
+
+    @property
+    def is_dllm(self) -> bool:
+        return self.architecture in DLLM_ARCHITECTURES
 
     def resolve_dtype(self, name: str) -> str:
         """The weights dtype an engine `dtype` argument names: "auto" is the checkpoint's
@@ -228,7 +240,7 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         head_dim = d.get("head_dim")
         if head_dim is None:
-            qwen3 = arch == "Qwen3ForCausalLM"  # not Qwen3-MoE: hidden / heads
+            qwen3 = arch in ("Qwen3ForCausalLM", "SDARForCausalLM")  # not Qwen3-MoE
             head_dim = _QWEN3_DEFAULT_HEAD_DIM if qwen3 else d["hidden_size"] // heads
 
         if arch == "Qwen2ForCausalLM":
@@ -242,7 +254,8 @@ class ModelConfig:
             sliding_window = d.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW)
         elif arch == "MixtralForCausalLM":
             sliding_window = d.get("sliding_window")  # HF Mixtral: none unless given
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and d.get(
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                      "SDARForCausalLM") and d.get(
                 "use_sliding_window"):
             sliding_window = d.get("sliding_window")
         else:
@@ -266,12 +279,14 @@ class ModelConfig:
             max_position_embeddings=int(d["max_position_embeddings"]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings")),
             attention_bias=attention_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM"),
             sliding_window=None if sliding_window is None else int(sliding_window),
             rope=RopeConfig.from_hf_config(d),
             eos_token_ids=tuple(dict.fromkeys(eos)),  # merge, keep order, drop duplicates
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=str(dtype).removeprefix("torch."),
+            mask_token_id=None if d.get("mask_token_id") is None else int(d["mask_token_id"]),
+            dllm_block_size=None if d.get("block_size") is None else int(d["block_size"]),
         )
 
 

@@ -106,6 +106,14 @@ PRESETS["small-repeat"] = dict(PRESETS["small"], residual_write_scale=0.0)
 PRESETS["small-draft"] = dict(PRESETS["small"], hidden_size=256, intermediate_size=704,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
+# A block-diffusion LM in SDAR's format: Qwen3's network and weight names, config.json's
+# `mask_token_id` (the last vocabulary id) and trained `block_size` (jaxrunner/dllm/).
+PRESETS["tiny-sdar"] = dict(PRESETS["tiny-qwen3"], architecture="SDARForCausalLM",
+                            mask_token_id=_COMMON["vocab_size"] - 1, block_size=4)
+# The benchmark model's shapes as a block-diffusion LM (scripts/bench_dllm.py).
+PRESETS["small-sdar"] = dict(PRESETS["small"], architecture="SDARForCausalLM",
+                             mask_token_id=PRESETS["small"]["vocab_size"] - 1, block_size=4)
+
 # Mixture-of-experts presets: 8 experts, top-2. Experts are written per expert (as transformers 4
 # and 5.24 write them) unless `expert_layout` is "fused" (transformers 5's in-memory form, which
 # it also loads). tiny-qwen3-moe keeps layer 0 dense (`mlp_only_layers`), so its layers form
@@ -148,6 +156,7 @@ _MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "SDARForCausalLM": "sdar",
 }
 # Router weights: logits of std ROUTER_STD, so the top-k rarely sits on a near-tie that float
 # rounding could flip between implementations.
@@ -282,11 +291,12 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
         "pad_token_id": PAD_ID,
         "use_cache": True,
     }
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    qwen3_like = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM")
+    if arch in ("LlamaForCausalLM", *qwen3_like):
         config["attention_bias"] = False
     if arch == "LlamaForCausalLM":
         config["mlp_bias"] = False
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", *qwen3_like):
         config.update(use_sliding_window=False, sliding_window=None,
                       max_window_layers=spec["num_hidden_layers"])
     if arch == "Qwen3MoeForCausalLM":
@@ -296,6 +306,8 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
                       norm_topk_prob=spec["norm_topk_prob"], decoder_sparse_step=1,
                       mlp_only_layers=spec["mlp_only_layers"], output_router_logits=False,
                       router_aux_loss_coef=0.001)
+    if arch == "SDARForCausalLM":
+        config.update(mask_token_id=spec["mask_token_id"], block_size=spec["block_size"])
     if arch == "MixtralForCausalLM":
         config.update(num_local_experts=spec["num_experts"],
                       num_experts_per_tok=spec["num_experts_per_tok"], router_jitter_noise=0.0,
@@ -472,7 +484,7 @@ def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, 
                 f"{p}.self_attn.k_proj.bias": (nkv * hd,),
                 f"{p}.self_attn.v_proj.bias": (nkv * hd,),
             })
-        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM"):
             shapes.update({
                 f"{p}.self_attn.q_norm.weight": (hd,),
                 f"{p}.self_attn.k_norm.weight": (hd,),

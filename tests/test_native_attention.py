@@ -123,3 +123,41 @@ def test_native_matches_dense_reference(case, page_size, group, window, soft_cap
     slots = wb.out_cache_loc[:wb.num_tokens]
     np.testing.assert_array_equal(flat[slots][:, 0::2], k_new[:wb.num_tokens])
     np.testing.assert_array_equal(flat[slots][:, 1::2], v_new[:wb.num_tokens])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_native_block_bound(window):
+    """`ForwardBatch.kv_bound`: block-diffusion steps (each request's 4 new tokens see each
+    other, up to their block's end), one request prefilling whole blocks from scratch."""
+    prefix_lens, new_lens, T, R, block = [8, 0, 20, 4], [4, 8, 4, 4], 24, 5, 4
+    cfg = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, sm_scale=0.25,
+                          sliding_window=window)
+    rng = np.random.default_rng(3)
+    cache, q, k_new, v_new, full_k, full_v, wb = make_batch(
+        rng, prefix_lens, new_lens, cfg, num_pages=40, T=T, R=R, max_pages=8)
+    pos = np.concatenate([np.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
+    bound = np.zeros(T, np.int32)
+    bound[:len(pos)] = (pos // block + 1) * block
+    backend = NativeAttentionBackend(cfg)
+    fb, _ = ForwardBatch.init_new(wb, jnp.zeros(4, jnp.int32), jnp.zeros((1, 1)))
+
+    @jax.jit
+    def run(q, k, v, cache, fb, bound):
+        fb = fb.prepare().replace(kv_bound=bound)
+        return backend.forward(q, k, v, cache, jnp.int32(0), fb,
+                               backend.init_forward_metadata(fb))[0]
+
+    out = np.asarray(run(q, k_new, v_new, cache, fb, jnp.asarray(bound)))
+    start = 0
+    for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
+        qs, ks, vs = q[start:start + n], full_k[i], full_v[i]
+        for j in range(n):  # one query at a time: its visible keys are [0, bound)
+            b = bound[start + j]
+            want = dense_attention(qs[j:j + 1], ks[:b], vs[:b], np.array([b - 1]), b,
+                                   cfg.sm_scale, None, None)
+            if window is not None:  # the window counts back from the token's own position
+                lo = max(0, p + j - window + 1)
+                want = dense_attention(qs[j:j + 1], ks[lo:b], vs[lo:b], np.array([b - 1 - lo]),
+                                       b - lo, cfg.sm_scale, None, None)
+            np.testing.assert_allclose(out[start + j:start + j + 1], want, rtol=1e-5, atol=1e-5)
+        start += n

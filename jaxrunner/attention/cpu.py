@@ -28,5 +28,6 @@ class CpuAttentionBackend(AttentionBackend):
             q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens,
             forward_batch.page_table + offset,
             metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
-            sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap)
+            sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap,
+            kv_bound=forward_batch.kv_bound)
         return out.astype(q.dtype), kv_cache

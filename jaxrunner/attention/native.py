@@ -42,6 +42,8 @@ class NativeMetadata:
     token_block: jax.Array   # i32[T]: block holding each token
     token_row: jax.Array     # i32[T]: row of each token within its block
     num_chunks: jax.Array    # i32[]: KV chunks the longest request needs
+    # i32[NB, Bq]: KV end (exclusive) each row sees, from `ForwardBatch.kv_bound`; None: causal.
+    block_bound: jax.Array | None = None
 
     def replace(self, **changes) -> "NativeMetadata":
         return dataclasses.replace(self, **changes)
@@ -85,8 +87,12 @@ class NativeAttentionBackend(AttentionBackend):
         offset = jnp.arange(fb.num_tokens) - fb.extend_start_loc[fb.token_to_req]
         token_block = req_first_block[fb.token_to_req] + offset // block
         chunk = pages_per_chunk * self.config.page_size
+        block_rows = jnp.clip(block_rows, 0, fb.num_tokens - 1).astype(jnp.int32)
+        block_bound = None
+        if fb.kv_bound is not None:
+            block_bound = jnp.where(row_valid, fb.kv_bound[block_rows], 0).astype(jnp.int32)
         return NativeMetadata(
-            block_rows=jnp.clip(block_rows, 0, fb.num_tokens - 1).astype(jnp.int32),
+            block_rows=block_rows, block_bound=block_bound,
             block_pos=block_pos.astype(jnp.int32), block_kv_len=block_kv_len.astype(jnp.int32),
             block_pages=page_table[block_req],
             token_block=jnp.clip(token_block, 0, num_blocks - 1).astype(jnp.int32),
@@ -136,7 +142,11 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
         if cfg.soft_cap is not None:
             s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
         pos = meta.block_pos[..., None]                                   # [NB, Bq, 1]
-        mask = (kv_pos <= pos) & in_request[:, None, :]                   # causal, own request
+        if meta.block_bound is None:
+            visible = kv_pos <= pos                                       # causal
+        else:
+            visible = kv_pos < meta.block_bound[..., None]
+        mask = visible & in_request[:, None, :]                           # and own request
         if cfg.sliding_window is not None:
             mask &= kv_pos > pos - cfg.sliding_window
         mask = mask[:, :, None, None, :]

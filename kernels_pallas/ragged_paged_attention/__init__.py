@@ -16,7 +16,7 @@ BACKENDS = ("auto", "tpu", "gpu", "reference")
 
 
 def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap):
+                      sliding_window, soft_cap, kv_bound=None):
     """Checks shapes, dtypes and static options at trace time; raises ValueError if wrong."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
@@ -50,6 +50,10 @@ def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                         ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
         if array.dtype != jax.numpy.int32:
             raise ValueError(f"{name} must be int32, got {array.dtype}")
+    if kv_bound is not None and (kv_bound.shape != (q.shape[0],)
+                                 or kv_bound.dtype != jax.numpy.int32):
+        raise ValueError(f"kv_bound must be i32[num_tokens] = i32[{q.shape[0]}], got "
+                         f"{kv_bound.dtype}{list(kv_bound.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
@@ -88,6 +92,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_bound=None,  # i32[T] or None
     backend: str = "auto",
     interpret: bool = False,
 ):
@@ -97,6 +102,11 @@ def ragged_paged_attention(
     0..kv_lens[s] - 1 stored in pages page_indices[s]; kv_cache already holds the K/V of the query
     tokens. Query token i of a sequence with q_len tokens sits at position kv_len - q_len + i and
     attends to positions p with p <= its own and, with a sliding window, p > its own - window.
+    With `kv_bound`, token t attends to positions p < kv_bound[t] (and < kv_len) instead of
+    p <= its own: causal is kv_bound = position + 1, a block-diffusion block sees up to the
+    block's end. The sliding window still counts back from the token's own position. (A
+    tree-attention mask for speculative decoding would refine this: a bitmask over the W
+    positions below the bound, applied where the bound is.)
     Query head h uses KV head h // (num_q_heads // num_kv_heads). Only the first num_seqs[0]
     sequences are real; the output rows of padded tokens are finite but meaningless.
 
@@ -104,6 +114,7 @@ def ragged_paged_attention(
       sm_scale: multiplies the logits (usually head_dim ** -0.5).
       sliding_window: attend to at most this many most recent positions (None: unlimited).
       soft_cap: logits become soft_cap * tanh(logits / soft_cap) (None: no cap).
+      kv_bound: per query token, the end (exclusive) of the KV positions it sees; None: causal.
       backend: "tpu", "gpu", "reference", or "auto" (by the default device's platform).
       interpret: run the TPU or GPU kernel in Pallas interpret mode (works on CPU).
 
@@ -111,9 +122,10 @@ def ragged_paged_attention(
       [T, num_q_heads, head_dim] in q's dtype.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap)
+                      sliding_window, soft_cap, kv_bound)
     backend = resolve_backend(backend)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  kv_bound=kv_bound)
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)

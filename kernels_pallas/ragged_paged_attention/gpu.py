@@ -39,7 +39,15 @@ def check_supported(*, head_dim: int, page_size: int) -> None:
                              f"{value}")
 
 
-def _kernel(
+def _kernel(*refs, bounded: bool, **static):
+    """With `bounded`, a sixth input holds each row's KV bound; causal calls carry none."""
+    if bounded:
+        _attend(*refs[:5], *refs[6:], bound_ref=refs[5], **static)
+    else:
+        _attend(*refs, bound_ref=None, **static)
+
+
+def _attend(
     work_ref,  # i32[4]: sequence, first token, end token, position offset of this item
     page_indices_ref,  # i32[max_num_seqs, padded_pages_per_seq]
     q_ref,  # [rows, head_dim], rows = q_tokens * group_padded
@@ -49,6 +57,7 @@ def _kernel(
     m_ref,  # f32[rows]: running max of this split
     l_ref,  # f32[rows]: running sum of this split
     *,
+    bound_ref,  # i32[rows]: each row's KV bound (0 for rows past the item), or None: causal
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -64,7 +73,11 @@ def _kernel(
     seq, first_token, end_token, pos_offset = (work_ref[i] for i in range(4))
 
     # KV positions any token of this item can see: [kv_start, kv_end).
-    kv_end = end_token + pos_offset
+    if bound_ref is None:
+        kv_end = end_token + pos_offset
+    else:
+        row_bound = bound_ref[...]
+        kv_end = jnp.max(row_bound)
     kv_start = 0
     if sliding_window is not None:
         kv_start = jnp.maximum(first_token + pos_offset - sliding_window + 1, 0)
@@ -89,7 +102,11 @@ def _kernel(
         s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = (row_token < end_token) & (k_pos[None, :] <= q_pos)
+        if bound_ref is None:
+            visible = k_pos[None, :] <= q_pos
+        else:
+            visible = k_pos[None, :] < row_bound[:, None]
+        mask = (row_token < end_token) & visible
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos - sliding_window
         s = jnp.where(mask, s, MASK_VALUE)
@@ -145,6 +162,7 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_bound=None,  # i32[T] or None (causal)
     block_sizes: tuning.GpuBlockSizes | None = None,
     interpret: bool = False,
 ):
@@ -184,22 +202,32 @@ def ragged_paged_attention_gpu(
     q_work = q_heads[token].transpose(0, 2, 1, 3, 4).reshape(num_work, num_kv_heads, rows, head_dim)
 
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
-    kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        group_padded=group_padded, kv_pages=kv_pages, num_kv_splits=num_kv_splits,
-        precision=precision)
     kv_plane_shape = (num_pages, page_size, None, head_dim)
     partial_shape = (num_kv_splits, num_work, num_kv_heads, rows)
+    inputs = [work, page_indices, q_work, kv_cache, kv_cache]
+    in_specs = [
+        pl.BlockSpec((None, 4), lambda item, head, split: (item, 0)),
+        pl.BlockSpec(page_indices.shape, lambda item, head, split: (0, 0)),
+        pl.BlockSpec((None, None, rows, head_dim), lambda item, head, split: (item, head, 0, 0)),
+        pl.BlockSpec(kv_plane_shape, lambda item, head, split: (0, 0, 2 * head, 0)),
+        pl.BlockSpec(kv_plane_shape, lambda item, head, split: (0, 0, 2 * head + 1, 0)),
+    ]
+    if kv_bound is not None:
+        # Per work row (token x padded group), clamped to the sequence's kv_len; 0 past the item.
+        seq, _, _ = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
+        bound = jnp.minimum(kv_bound, kv_lens[seq])[token]                 # [num_work, q_tokens]
+        in_item = work[:, 1:2] + jnp.arange(q_tokens)[None, :] < work[:, 2:3]
+        bound = jnp.repeat(jnp.where(in_item, bound, 0), group_padded, axis=1)
+        inputs.append(bound.astype(jnp.int32))
+        in_specs.append(pl.BlockSpec((None, rows), lambda item, head, split: (item, 0)))
+    kernel = functools.partial(
+        _kernel, bounded=kv_bound is not None, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, group_padded=group_padded, kv_pages=kv_pages,
+        num_kv_splits=num_kv_splits, precision=precision)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(num_work, num_kv_heads, num_kv_splits),
-        in_specs=[
-            pl.BlockSpec((None, 4), lambda item, head, split: (item, 0)),
-            pl.BlockSpec(page_indices.shape, lambda item, head, split: (0, 0)),
-            pl.BlockSpec((None, None, rows, head_dim), lambda item, head, split: (item, head, 0, 0)),
-            pl.BlockSpec(kv_plane_shape, lambda item, head, split: (0, 0, 2 * head, 0)),
-            pl.BlockSpec(kv_plane_shape, lambda item, head, split: (0, 0, 2 * head + 1, 0)),
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim),
                          lambda item, head, split: (split, item, head, 0, 0)),
@@ -215,7 +243,7 @@ def ragged_paged_attention_gpu(
                                              num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(work, page_indices, q_work, kv_cache, kv_cache)
+    )(*inputs)
 
     out = combine_splits(acc, m, l)  # [num_work, num_kv_heads, rows, head_dim]
     out = out.reshape(num_work, num_kv_heads, q_tokens, group_padded, head_dim)

@@ -42,6 +42,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_bound=None,  # i32[T] or None (causal)
 ):
     """Ragged paged attention in plain jnp; same contract as `ragged_paged_attention`.
 
@@ -54,14 +55,15 @@ def ragged_paged_attention_reference(
     pages_per_seq = page_indices.shape[1]
     max_kv_len = pages_per_seq * page_size
     seq_ids, positions, is_real = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    bounds = positions + 1 if kv_bound is None else kv_bound
 
     def attend_one_token(args):
-        q_t, seq, pos, real = args  # [num_q_heads, head_dim], scalars
+        q_t, seq, pos, bound, real = args  # [num_q_heads, head_dim], scalars
         kv = kv_cache[page_indices[seq]].reshape(max_kv_len, num_kv_heads_x2, head_dim)
         k = kv[:, 0::2].astype(jnp.float32)  # [max_kv_len, num_kv_heads, head_dim]
         v = kv[:, 1::2].astype(jnp.float32)
         k_pos = jnp.arange(max_kv_len)
-        visible = real & (k_pos <= pos) & (k_pos < kv_lens[seq])
+        visible = real & (k_pos < bound) & (k_pos < kv_lens[seq])
         if sliding_window is not None:
             visible &= k_pos > pos - sliding_window
         q_t = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
@@ -80,5 +82,5 @@ def ragged_paged_attention_reference(
         return out.reshape(num_q_heads, head_dim)
 
     out = jax.lax.map(
-        attend_one_token, (q, seq_ids, positions, is_real), batch_size=_TOKENS_PER_MAP_STEP)
+        attend_one_token, (q, seq_ids, positions, bounds, is_real), batch_size=_TOKENS_PER_MAP_STEP)
     return out.astype(q.dtype)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.ragged_paged_attention import tuning
+from kernels_pallas.ragged_paged_attention.reference import token_metadata
 
 # Finite "minus infinity": exp(MASK - m) is 0 without the NaN of (-inf) - (-inf).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -113,7 +114,20 @@ def _load_head(kv_bufs, slot, h: int, *, num_kv_heads: int, kv_tokens: int, pack
     return kv, kv
 
 
-def _kernel(
+def _kernel(*refs, bounded: bool, **static):
+    """Unpacks the refs: with `bounded`, a fifth scalar-prefetch array (each sequence's KV end)
+    and a third input (each query row's KV bound) come in; causal calls carry neither."""
+    if bounded:
+        *prefetch, seq_kv_end_ref, q_ref, kv_hbm_ref, bound_ref, o_ref = refs[:9]
+    else:
+        *prefetch, q_ref, kv_hbm_ref, o_ref = refs[:7]
+        seq_kv_end_ref = bound_ref = None
+    scratch = refs[9:] if bounded else refs[7:]
+    _attend(*prefetch, q_ref, kv_hbm_ref, o_ref, *scratch, seq_kv_end_ref=seq_kv_end_ref,
+            bound_ref=bound_ref, **static)
+
+
+def _attend(
     # Scalar prefetch (SMEM):
     kv_lens_ref,  # i32[max_num_seqs]
     page_indices_ref,  # i32[max_num_seqs * pages_per_seq] (flat: 2-D SMEM arrays pad badly)
@@ -131,6 +145,8 @@ def _kernel(
     l_ref,  # f32[num_kv_heads, q_tokens * group, 128]: running denominator
     acc_ref,  # f32[num_kv_heads, q_tokens * group, lanes]: running numerator
     *,
+    seq_kv_end_ref,  # i32[max_num_seqs] (SMEM): KV end of each sequence's bounds; None: causal
+    bound_ref,  # i32[q_tokens * group, 128] (VMEM block): each row's KV bound; None: causal
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -179,7 +195,11 @@ def _kernel(
         row_token = block_first_token + lax.broadcasted_iota(jnp.int32, shape, 0) // group
         q_pos = row_token + pos_offset
         k_pos = kv_block * kv_tokens + lax.broadcasted_iota(jnp.int32, shape, 1)
-        mask = (row_token >= first_token) & (row_token < end_token) & (k_pos <= q_pos)
+        if bound_ref is None:
+            visible = k_pos <= q_pos
+        else:
+            visible = k_pos < bound_ref[...][:, :1]
+        mask = (row_token >= first_token) & (row_token < end_token) & visible
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         # Slots past kv_len hold stale or NaN data; 0 * NaN in p @ v would poison the sum.
@@ -216,8 +236,9 @@ def _kernel(
         if sliding_window is not None:
             kv_start = jnp.maximum(first_token + pos_offset - sliding_window + 1, 0)
         first_kv_block = kv_start // kv_tokens
-        end_kv_block = jnp.where(end_token > first_token,
-                                 pl.cdiv(end_token + pos_offset, kv_tokens), first_kv_block)
+        kv_end = end_token + pos_offset if seq_kv_end_ref is None else seq_kv_end_ref[seq]
+        end_kv_block = jnp.where(end_token > first_token, pl.cdiv(kv_end, kv_tokens),
+                                 first_kv_block)
 
         @pl.when(first_kv_block < end_kv_block)
         def _():
@@ -285,6 +306,14 @@ def block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks: int, q_tokens: int):
     return jnp.stack([first, end], axis=1).reshape(-1).astype(jnp.int32)
 
 
+def seq_kv_ends(kv_bound, kv_lens, cu_q_lens, num_seqs):
+    """i32[max_num_seqs]: the KV positions each sequence's query tokens see end before this
+    (the largest bound of its tokens, at most its kv_len)."""
+    seq, _, is_real = token_metadata(cu_q_lens, kv_lens, num_seqs, kv_bound.shape[0])
+    ends = jnp.zeros_like(kv_lens).at[seq].max(jnp.where(is_real, kv_bound, 0))
+    return jnp.minimum(ends, kv_lens)
+
+
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes",
                               "interpret"))
@@ -299,6 +328,7 @@ def ragged_paged_attention_tpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_bound=None,  # i32[T] or None (causal)
     block_sizes: tuning.TpuBlockSizes | None = None,
     interpret: bool = False,
 ):
@@ -346,18 +376,30 @@ def ragged_paged_attention_tpu(
     q_blocked = q_blocked.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, lanes)
     kv_view = kv_cache.reshape(num_pages, page_size * rows_per_token, lanes)
 
+    bounded = kv_bound is not None
+    prefetch = [kv_lens, page_indices.reshape(-1), cu_q_lens,
+                block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks, q_tokens)]
+    q_spec = pl.BlockSpec((num_kv_heads, q_rows, lanes), lambda q_block, *_: (0, q_block, 0))
+    inputs = [q_blocked, kv_view]
+    in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY)]
+    if bounded:
+        prefetch.append(seq_kv_ends(kv_bound, kv_lens, cu_q_lens, num_seqs))
+        # One row per (token, query head of the group), like q's rows; lanes broadcast.
+        rows = jnp.repeat(jnp.pad(kv_bound, (0, num_q_blocks * q_tokens - num_tokens)), group)
+        inputs.append(jnp.broadcast_to(rows[:, None], (rows.shape[0], _STAT_LANES)))
+        in_specs.append(pl.BlockSpec((q_rows, _STAT_LANES), lambda q_block, *_: (q_block, 0)))
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
+        _kernel, bounded=bounded, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, group=group,
         q_tokens=q_tokens, page_size=page_size, pages_per_seq=pages_per_seq, kv_pages=kv_pages,
         packed=packed, interpret=interpret)
-    q_spec = pl.BlockSpec((num_kv_heads, q_rows, lanes), lambda q_block, *_: (0, q_block, 0))
     kv_buf_rows = kv_pages * page_size * rows_per_token
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=len(prefetch),
             grid=(num_q_blocks,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, kv_buf_rows, lanes), kv_cache.dtype),
@@ -372,8 +414,7 @@ def ragged_paged_attention_tpu(
             vmem_limit_bytes=vmem_limit),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, page_indices.reshape(-1), cu_q_lens,
-      block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks, q_tokens), q_blocked, kv_view)
+    )(*prefetch, *inputs)
 
     out = out.reshape(num_kv_heads, -1, group, lanes).transpose(1, 0, 2, 3)[:num_tokens]
     return out[..., lanes - head_dim:].reshape(num_tokens, num_q_heads, head_dim)

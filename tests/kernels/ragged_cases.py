@@ -26,6 +26,9 @@ class Case:
     padded_seqs: int = 1  # sequences past num_seqs
     padded_tokens: int = 3  # query tokens past cu_q_lens[num_seqs]
     q_scale: float = 1.0  # larger q makes the soft cap bite
+    # kv_bound: None (causal), "block:B" (block-diffusion: a token sees to the end of its block
+    # of B positions), or "random" (any bound in [1, kv_len], above or below the causal one).
+    bound: str | None = None
 
     def __str__(self):
         fields = [f"seqs{list(self.seqs)}", f"kvh{self.num_kv_heads}", f"g{self.group}",
@@ -34,6 +37,8 @@ class Case:
             fields.append(f"win{self.sliding_window}")
         if self.soft_cap:
             fields.append(f"cap{self.soft_cap}")
+        if self.bound:
+            fields.append(f"bound-{self.bound}")
         return "-".join(fields).replace(" ", "")
 
 
@@ -45,6 +50,7 @@ class Inputs:
     q64: np.ndarray  # [T, num_q_heads, head_dim] float64, as rounded to the case dtype
     k64: list  # per sequence [kv_len, num_kv_heads, head_dim] float64
     v64: list
+    bounds: list | None = None  # per sequence i32[q_len]: the kv_bound of its tokens
 
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
@@ -92,18 +98,33 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
             jnp.asarray([len(case.seqs)], jnp.int32))
     kwargs = dict(sm_scale=head_dim ** -0.5, sliding_window=case.sliding_window,
                   soft_cap=case.soft_cap)
-    return Inputs(args, kwargs, num_real_tokens, q64, k64, v64)
+    bounds = None
+    if case.bound is not None:
+        bounds = [_bounds(case.bound, q_len, kv_len, rng) for q_len, kv_len in case.seqs]
+        # Padded tokens get garbage bounds: a kernel must ignore them.
+        pad = rng.integers(0, 1000, case.padded_tokens)
+        kwargs["kv_bound"] = jnp.asarray(np.concatenate(bounds + [pad]).astype(np.int32))
+    return Inputs(args, kwargs, num_real_tokens, q64, k64, v64, bounds)
+
+
+def _bounds(kind: str, q_len: int, kv_len: int, rng) -> np.ndarray:
+    pos = np.arange(kv_len - q_len, kv_len)
+    if kind == "random":
+        return rng.integers(1, kv_len + 1, q_len)
+    block = int(kind.removeprefix("block:"))
+    return np.minimum((pos // block + 1) * block, kv_len)
 
 
 def naive_attention(case: Case, inputs: Inputs) -> np.ndarray:
-    """Dense causal attention per sequence in float64 from the unpaged K/V: the oracle.
+    """Dense causal (or kv_bound) attention per sequence in float64 from the unpaged K/V: the
+    oracle.
 
     Returns [num_real_tokens, num_q_heads, head_dim].
     """
     sm_scale = inputs.kwargs["sm_scale"]
     out = []
     q_start = 0
-    for (q_len, kv_len), k, v in zip(case.seqs, inputs.k64, inputs.v64):
+    for s, ((q_len, kv_len), k, v) in enumerate(zip(case.seqs, inputs.k64, inputs.v64)):
         q = inputs.q64[q_start:q_start + q_len]  # [q_len, num_q_heads, head_dim]
         q_start += q_len
         k = np.repeat(k, case.group, axis=1)  # [kv_len, num_q_heads, head_dim]
@@ -113,7 +134,7 @@ def naive_attention(case: Case, inputs: Inputs) -> np.ndarray:
             logits = case.soft_cap * np.tanh(logits / case.soft_cap)
         q_pos = np.arange(kv_len - q_len, kv_len)[:, None]
         k_pos = np.arange(kv_len)[None, :]
-        visible = k_pos <= q_pos
+        visible = k_pos <= q_pos if inputs.bounds is None else k_pos < inputs.bounds[s][:, None]
         if case.sliding_window:
             visible &= k_pos > q_pos - case.sliding_window
         logits = np.where(visible, logits, -np.inf)

@@ -49,10 +49,11 @@ class KernelConfig:
     num_kv_heads: int = 2
     sliding_window: int | None = None
     soft_cap: float | None = None
+    bounded: bool = False  # a per-token kv_bound (block-diffusion steps)
 
     def __str__(self):
         extra = (f"-win{self.sliding_window}" if self.sliding_window else "") + (
-            f"-cap{self.soft_cap}" if self.soft_cap else "")
+            f"-cap{self.soft_cap}" if self.soft_cap else "") + ("-bound" if self.bounded else "")
         return (f"d{self.head_dim}-ps{self.page_size}-g{self.group}-kvh{self.num_kv_heads}-"
                 f"{self.dtype}{extra}")
 
@@ -68,10 +69,12 @@ class KernelConfig:
                 jax.ShapeDtypeStruct((num_seqs,), i32),
                 jax.ShapeDtypeStruct((num_seqs, pages_per_seq), i32),
                 jax.ShapeDtypeStruct((num_seqs + 1,), i32),
-                jax.ShapeDtypeStruct((1,), i32))
+                jax.ShapeDtypeStruct((1,), i32)) + (
+                    (jax.ShapeDtypeStruct((num_tokens,), i32),) if self.bounded else ())
 
     def kernel(self, fn):
-        return lambda *args: fn(*args, sm_scale=self.head_dim ** -0.5,
+        return lambda *args: fn(*args[:6], kv_bound=args[6] if self.bounded else None,
+                                sm_scale=self.head_dim ** -0.5,
                                 sliding_window=self.sliding_window, soft_cap=self.soft_cap)
 
 
@@ -80,6 +83,8 @@ CONFIGS = [KernelConfig(*c) for c in itertools.product(HEAD_DIMS, PAGE_SIZES, GR
     KernelConfig(64, 64, 8, "float32", soft_cap=30.0),
     KernelConfig(64, 16, 2, "bfloat16", num_kv_heads=4, sliding_window=256, soft_cap=50.0),
     KernelConfig(128, 64, 8, "bfloat16", num_kv_heads=1),
+    KernelConfig(128, 16, 4, "bfloat16", bounded=True),
+    KernelConfig(64, 16, 2, "float32", sliding_window=256, bounded=True),
 ]
 # Triton compiles take a second or more each (several under load), so a covering few: head_dim
 # 128 in bfloat16 and head_dim 64 in bfloat16 with every mask (a window, a soft cap, 4 KV heads) at
@@ -90,6 +95,7 @@ CONFIGS = [KernelConfig(*c) for c in itertools.product(HEAD_DIMS, PAGE_SIZES, GR
 PTX_SHAPES = {KernelConfig(64, 16, 1, "float32"): ("decode",),
               KernelConfig(128, 64, 8, "bfloat16"): tuple(SHAPES)}
 PTX_SHAPES.update({c: tuple(SHAPES) for c in CONFIGS if c.sliding_window and c.soft_cap})
+PTX_SHAPES[KernelConfig(128, 16, 4, "bfloat16", bounded=True)] = tuple(SHAPES)
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,20 @@ def test_decode_and_extend_steps_and_sampler_lower(target, preset, tp_size):
     assert sampler.platforms == (target.platform,)
 
 
+@pytest.mark.parametrize("target", [TPU_V6E, H200], ids=str)
+def test_block_diffusion_steps_lower(target):
+    """tiny-sdar's DLLM_EXTEND step (the kernels with a per-token KV bound, the commits on the
+    device) and its block-causal prefill, on two devices."""
+    args = EngineArgs(**SMALL, tp_size=2, dllm_algorithm="LowConfidence")
+    runner = lower_only(args, _model("tiny-sdar"), target)
+    dllm = Bucket(ForwardMode.DLLM_EXTEND, 8 * runner.dllm.block_size, 8)
+    assert dllm in runner.buckets and DECODE not in runner.buckets
+    for bucket in (dllm, EXTEND):
+        exported = runner.export_step(bucket)
+        _check_kernels(exported, target)
+        assert _donated_inputs(exported) == {len(jax.tree.leaves(runner.state))}
+
+
 def _donated_inputs(exported) -> set[int]:
     """Indices of the main function's arguments that alias an output or are donated."""
     text = exported.mlir_module()
