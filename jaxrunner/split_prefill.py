@@ -1,0 +1,58 @@
+"""Split prefill on the scheduler's side (host only, no jax): a prefill batch in progress, run a
+layer range per step with decode steps of the running requests between its ranges.
+
+SGLang's PD multiplexing does this with `forward_split_prefill(split_index,
+next_split_index)`; chunked prefill bounds the stall too, but each later chunk re-reads the
+earlier chunks' KV, and a layer split does not. The two compose: with chunked prefill each chunk
+is split.
+
+Life of a split (jaxrunner/scheduler.py drives it):
+- Admission is as for any prefill step; the batch gets all its KV pages at once, and is uploaded
+  once (`worker.begin_split_prefill`). Its requests are neither waiting nor running meanwhile.
+- Each of its steps runs the next range (`worker.forward_split_prefill`); the residual stream
+  stays on the device, in the worker's state that this record carries. Between two ranges, and
+  after the last, the running requests take one decode step.
+- The last range samples each request's first token; from then on the batch is an ordinary
+  launched prefill step (`Scheduler.record_launch`).
+- Abort of one request: the remaining ranges write its tokens' KV to the dummy page
+  (`worker.redirect_split_writes`), so its pages go back at once; the others go on. Retraction
+  (decode out of pages) puts the whole split back in the queue, first: it holds the newest pages.
+"""
+
+from dataclasses import dataclass
+
+from jaxrunner.memory_pool import DUMMY_PAGE
+from jaxrunner.schedule_batch import ModelWorkerBatch, Req, ScheduleBatch
+
+
+@dataclass
+class SplitPrefill:
+    batch: ScheduleBatch               # mode SPLIT_PREFILL; its rows never change
+    worker_batch: ModelWorkerBatch     # as uploaded (its out_cache_loc edited on abort)
+    state: object                      # the worker's device state (SplitPrefillState)
+    ranges: list[tuple[int, int]]      # layer ranges [begin, end), in order
+    next_range: int = 0
+
+    @property
+    def reqs(self) -> list[Req]:
+        return self.batch.reqs
+
+    @property
+    def next_end(self) -> int:
+        """One past the last layer of the range to run next."""
+        return self.ranges[self.next_range][1]
+
+    @property
+    def at_last_range(self) -> bool:
+        return self.next_range == len(self.ranges) - 1
+
+    def live_reqs(self) -> list[Req]:
+        return [r for r in self.reqs if not r.finished]
+
+    def drop_writes(self, req: Req, page_size: int):
+        """The batch's KV slots with `req`'s tokens moved to the dummy page (i32[T])."""
+        i = self.reqs.index(req)
+        start = sum(self.batch.extend_lens[:i])
+        loc = self.worker_batch.out_cache_loc
+        loc[start:start + self.batch.extend_lens[i]] = DUMMY_PAGE * page_size
+        return loc
