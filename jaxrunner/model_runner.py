@@ -51,8 +51,8 @@ from jaxrunner.sampling_step import (TOP_LOGPROBS, SamplerOutput, sampling_step,
                                      vocab_mask_width)
 from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.spec_info import VerifyInput
-from jaxrunner.split_prefill_step import abstract_layer_range, split_prefill_step
 from jaxrunner.speculative.steps import captured_hidden, verify_step
+from jaxrunner.split_prefill_step import abstract_layer_range, split_prefill_step
 from kernels_pallas import lowering
 from models.config import ModelConfig
 from models.load_format import abstract_state, load_state, resolve_load_format

@@ -34,10 +34,10 @@ from jaxrunner.radix_cache import RadixCache
 from jaxrunner.request_output import (fill_vocab_mask, match_stop_regex, record_input_logprobs,
                                       record_output_top_logprobs, stop_at_first)
 from jaxrunner.schedule_batch import Req, ScheduleBatch
-from jaxrunner.split_prefill import SplitPrefill
 from jaxrunner.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
                                        NEW_TOKEN_RATIO_DECAY, PrefillBudget, future_pages,
                                        order_waiting)
+from jaxrunner.split_prefill import SplitPrefill, splittable
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -172,7 +172,7 @@ class Scheduler:
             if mixed and decoding:
                 return self._schedule(reqs + decoding, ForwardMode.MIXED,
                                       lens + [1] * len(decoding))
-            if self.args.enable_split_prefill and self._splittable(reqs):
+            if self.args.enable_split_prefill and splittable(reqs):
                 return self._schedule(reqs, ForwardMode.SPLIT_PREFILL, lens)
             return self._schedule(reqs, ForwardMode.EXTEND, lens)
         if decoding and not mixed:
@@ -190,12 +190,6 @@ class Scheduler:
                                   [self.spec_window] * len(decoding),
                                   [self._spec_kv_len(r) for r in decoding])
         return self._schedule(decoding, ForwardMode.DECODE, [1] * len(decoding))
-
-    @staticmethod
-    def _splittable(reqs: list[Req]) -> bool:
-        """Whether a prefill batch may run split: the split step computes no prompt logprobs,
-        and a grammar's bitmask path launches the model and the sampler as one step."""
-        return not any(r.wants_input_logprobs or r.grammar is not None for r in reqs)
 
     def _decodable(self) -> list[Req]:
         """Running requests that need another step (not those whose last sampled token, still
@@ -340,13 +334,8 @@ class Scheduler:
         at its first range); the last range's step is booked as a launched prefill step."""
         split = self.split
         if split is None:  # its first range
-            bucket = self.worker.pick_bucket(batch.forward_mode, batch.num_tokens,
-                                             len(batch.reqs))
-            worker_batch = batch.get_model_worker_batch(bucket)
             prev = self.in_flight.result if self.in_flight is not None else None
-            split = self.split = SplitPrefill(
-                batch, worker_batch, self.worker.begin_split_prefill(worker_batch, prev),
-                self.worker.split_prefill_ranges)
+            split = self.split = SplitPrefill.begin(self.worker, batch, prev)
         self._range_ran = True
         last = split.at_last_range
         result = self.worker.forward_split_prefill(split.state, split.next_end)

@@ -25,6 +25,13 @@ from jaxrunner.memory_pool import DUMMY_PAGE
 from jaxrunner.schedule_batch import ModelWorkerBatch, Req, ScheduleBatch
 
 
+def splittable(reqs: list[Req]) -> bool:
+    """Whether a prefill batch may run split: the split step computes no prompt logprobs, and a
+    grammar's bitmask path launches the model and the sampler of one step around the host's
+    grammar work."""
+    return not any(r.wants_input_logprobs or r.grammar is not None for r in reqs)
+
+
 @dataclass
 class SplitPrefill:
     batch: ScheduleBatch               # mode SPLIT_PREFILL; its rows never change
@@ -32,6 +39,14 @@ class SplitPrefill:
     state: object                      # the worker's device state (SplitPrefillState)
     ranges: list[tuple[int, int]]      # layer ranges [begin, end), in order
     next_range: int = 0
+
+    @classmethod
+    def begin(cls, worker, batch: ScheduleBatch, prev) -> "SplitPrefill":
+        """Pads `batch` to its bucket and uploads it (`prev`: the step in flight, if any)."""
+        bucket = worker.pick_bucket(batch.forward_mode, batch.num_tokens, len(batch.reqs))
+        worker_batch = batch.get_model_worker_batch(bucket)
+        return cls(batch, worker_batch, worker.begin_split_prefill(worker_batch, prev),
+                   worker.split_prefill_ranges)
 
     @property
     def reqs(self) -> list[Req]:
