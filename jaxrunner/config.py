@@ -69,11 +69,11 @@ class EngineArgs:
     schedule_conservativeness: float = 1.0
     # Build and launch step n+1 before reading step n's tokens back.
     disable_overlap_schedule: bool = False
-    # Split prefill (SGLang's PD multiplexing; jaxrunner/split_prefill.py): a prefill batch runs
-    # `split_prefill_layers` decoder layers per step (None: a quarter of the layers, rounded up),
-    # with a decode step of the running requests between its ranges, so a long prompt stalls
-    # decoding for one range rather than the whole model. On top of chunked prefill: each chunk
-    # is split.
+    # Split prefill (SGLang's PD multiplexing; jaxrunner/split_prefill.py): while requests are
+    # decoding, a prefill batch runs `split_prefill_layers` decoder layers per step (None: a
+    # quarter of the layers, rounded up), with a decode step of the running requests between
+    # its ranges, so a long prompt stalls decoding for one range rather than the whole model.
+    # On top of chunked prefill: each chunk is split.
     enable_split_prefill: bool = False
     split_prefill_layers: int | None = None
 

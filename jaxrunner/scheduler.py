@@ -172,7 +172,9 @@ class Scheduler:
             if mixed and decoding:
                 return self._schedule(reqs + decoding, ForwardMode.MIXED,
                                       lens + [1] * len(decoding))
-            if self.args.enable_split_prefill and splittable(reqs):
+            # Split only with requests to decode between the ranges: alone, a prefill runs
+            # fastest in one step.
+            if self.args.enable_split_prefill and decoding and splittable(reqs):
                 return self._schedule(reqs, ForwardMode.SPLIT_PREFILL, lens)
             return self._schedule(reqs, ForwardMode.EXTEND, lens)
         if decoding and not mixed:

@@ -7,6 +7,8 @@ earlier chunks' KV, and a layer split does not. The two compose: with chunked pr
 is split.
 
 Life of a split (jaxrunner/scheduler.py drives it):
+- Only while requests are decoding (alone, a prefill runs fastest in one step), and not a batch
+  that asks for prompt logprobs or has a grammar (`splittable`).
 - Admission is as for any prefill step; the batch gets all its KV pages at once, and is uploaded
   once (`worker.begin_split_prefill`). Its requests are neither waiting nor running meanwhile.
 - Each of its steps runs the next range (`worker.forward_split_prefill`); the residual stream

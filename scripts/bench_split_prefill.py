@@ -7,7 +7,9 @@ against split prefill, in one run; prints JSON and a table.
 `--running` requests (short prompts, long outputs, greedy) decode; once they all run, one
 `--long-len`-token prompt arrives every `--gap` steps, `--long-prompts` of them. Each mode is
 its own engine (one process, the same executable cache): "plain" prefills a long prompt in one
-step, "chunked" in `--chunk`-token chunks (chunked_prefill_size), "split" in one batch run
+step, "chunked" in `--chunk`-token chunks (chunked_prefill_size) with the running requests
+decoding inside each chunk's step (enable_mixed_chunk: without it a chunked prompt's chunks
+run back to back and decoding waits for all of them), "split" in one batch run
 `--split-layers` layers per step (enable_split_prefill), a decode step of the running requests
 between ranges. A running request's ITL is the time between two of its tokens reaching the
 host (Engine.step's return); reported over the whole run and over the window from the first
@@ -57,8 +59,8 @@ def engine_args(args, mode: str) -> dict:
                                         + args.running * (args.running_prompt_len + 512)),
                   compilation_cache_dir=args.compilation_cache_dir,
                   disallow_compile_after_warmup=True, show_progress=False)
-    if mode == "chunked":
-        common["chunked_prefill_size"] = args.chunk
+    if mode == "chunked":  # the running requests decode inside every chunk's step
+        common.update(chunked_prefill_size=args.chunk, enable_mixed_chunk=True)
     if mode == "split":
         common.update(enable_split_prefill=True, split_prefill_layers=args.split_layers)
     return common

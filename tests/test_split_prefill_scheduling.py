@@ -47,8 +47,10 @@ def test_split_prefill_interleaves_decode_between_ranges_and_matches_the_referen
     # While requests were decoding, no two ranges ran back to back.
     decodes = [i for i, e in enumerate(worker.events) if e == "DECODE"]
     assert ranges_between_decodes(worker.events[decodes[0]:decodes[-1]]) == 1
-    assert all(b.forward_mode == ForwardMode.SPLIT_PREFILL
-               for b in worker.batches if b.forward_mode != ForwardMode.DECODE)
+    # With nothing decoding, the first prompts ran unsplit; every later one was split.
+    prefills = [b.forward_mode for b in worker.batches if b.forward_mode != ForwardMode.DECODE]
+    assert prefills[0] == ForwardMode.EXTEND and prefills[-1] == ForwardMode.SPLIT_PREFILL
+    assert ForwardMode.EXTEND not in prefills[prefills.index(ForwardMode.SPLIT_PREFILL):]
     assert_all_free(scheduler)
 
 
