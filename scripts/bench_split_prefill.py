@@ -79,8 +79,10 @@ def run_mode(args, mode: str, seed: int = 0) -> dict:
         out_len = min(args.gap * (args.long_prompts + 1) * 3,
                       engine.context_len - args.running_prompt_len - 1)
         greedy = {"temperature": 0.0, "ignore_eos": True}
-        engine.generate(input_ids=short[:2] + [long[0][:args.long_len]],
-                        sampling_params=dict(greedy, max_new_tokens=2))  # warm the host paths
+        # Warm the host paths with prompts of their own (a long prompt seen here would be
+        # served from the prefix cache later).
+        warm = [rng.integers(3, vocab, size=n).tolist() for n in (8, 8, 200)]
+        engine.generate(input_ids=warm, sampling_params=dict(greedy, max_new_tokens=2))
         running = [engine.add_request(p, dict(greedy, max_new_tokens=out_len)) for p in short]
         while not all(r.output_ids for r in running):
             engine.step()
