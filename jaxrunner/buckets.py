@@ -109,6 +109,12 @@ def verify_buckets(max_running_requests: int, window: int,
             for b in decode_buckets(max_running_requests)]
 
 
+def split_prefill_buckets(max_prefill_tokens: int, max_running_requests: int) -> list[Bucket]:
+    """A split prefill's range step at every prefill bucket's shape (the layer range is data)."""
+    return [Bucket(ForwardMode.SPLIT_PREFILL, b.num_tokens, b.num_reqs)
+            for b in extend_buckets(max_prefill_tokens, max_running_requests)]
+
+
 def all_buckets(max_prefill_tokens: int, max_running_requests: int) -> list[Bucket]:
     return (decode_buckets(max_running_requests)
             + extend_buckets(max_prefill_tokens, max_running_requests))
@@ -121,7 +127,8 @@ def executable_mode(mode: ForwardMode) -> ForwardMode:
         return ForwardMode.DECODE
     if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
         return ForwardMode.EXTEND
-    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.DLLM_EXTEND):
+    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.SPLIT_PREFILL,
+                ForwardMode.DLLM_EXTEND):
         return mode
     raise ValueError(f"forward mode {mode.name} has no buckets")
 

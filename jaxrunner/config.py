@@ -70,6 +70,13 @@ class EngineArgs:
     schedule_conservativeness: float = 1.0
     # Build and launch step n+1 before reading step n's tokens back.
     disable_overlap_schedule: bool = False
+    # Split prefill (SGLang's PD multiplexing; jaxrunner/split_prefill.py): while requests are
+    # decoding, a prefill batch runs `split_prefill_layers` decoder layers per step (None: a
+    # quarter of the layers, rounded up), with a decode step of the running requests between
+    # its ranges, so a long prompt stalls decoding for one range rather than the whole model.
+    # On top of chunked prefill: each chunk is split.
+    enable_split_prefill: bool = False
+    split_prefill_layers: int | None = None
 
     # auto: "pallas" on TPU and GPU; on CPU "cpu" (a C++ kernel built on first use) or "native"
     # (plain XLA) where no C++ compiler is found.
@@ -210,6 +217,7 @@ class EngineArgs:
             raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         self._check_speculative()
         self._check_dllm()
+        self._check_split_prefill()
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 
@@ -235,9 +243,32 @@ class EngineArgs:
                              f"least one position")
         for name, value, off in (("speculative_algorithm", self.speculative_algorithm, None),
                                  ("dp_size", self.dp_size, 1),
-                                 ("enable_mixed_chunk", self.enable_mixed_chunk, False)):
+                                 ("enable_mixed_chunk", self.enable_mixed_chunk, False),
+                                 ("enable_split_prefill", self.enable_split_prefill, False)):
             if value != off:
                 raise ValueError(f"{name}={value!r} is not implemented with dllm_algorithm")
+
+    def _check_split_prefill(self) -> None:
+        if self.split_prefill_layers is not None and not _positive_int(self.split_prefill_layers):
+            raise ValueError(f"split_prefill_layers must be a positive integer or None, got "
+                             f"{self.split_prefill_layers!r}")
+        if not self.enable_split_prefill:
+            return
+        if self.speculative_algorithm is not None:
+            raise ValueError("enable_split_prefill cannot be combined with speculative_algorithm "
+                             "(a speculative target verifies with its own step programs)")
+        if self.enable_mixed_chunk:
+            raise ValueError("enable_split_prefill cannot be combined with enable_mixed_chunk: "
+                             "running requests decode between a split prefill's ranges, not "
+                             "inside them")
+        if self.dp_size > 1:
+            raise ValueError("enable_split_prefill with dp_size > 1 (DP attention) is not "
+                             "implemented")
+
+    def split_prefill_ranges(self, num_layers: int) -> list[tuple[int, int]]:
+        """The layer ranges [begin, end) a split prefill runs, in order."""
+        per_range = self.split_prefill_layers or -(-num_layers // 4)
+        return [(b, min(b + per_range, num_layers)) for b in range(0, num_layers, per_range)]
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm

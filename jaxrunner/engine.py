@@ -329,6 +329,7 @@ class Engine(EngineLifecycle):
         reqs = []
         for s in self._rank_schedulers:
             reqs += s.waiting + s.running + ([s.chunked_req] if s.chunked_req else [])
+            reqs += s.split.reqs if s.split is not None else []  # mid split prefill
         return [r for r in dict.fromkeys(reqs) if not r.finished]
 
     def shutdown(self) -> None:

@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 from jaxrunner import defaults, distributed
 from jaxrunner.attention import AttentionConfig, create_attention_backend, resolve_backend_name
 from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, extend_buckets,
-                               pick_bucket, sample_batch_sizes, verify_buckets)
+                               pick_bucket, sample_batch_sizes, split_prefill_buckets,
+                               verify_buckets)
 from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.dllm.algorithm import DllmInput
@@ -54,6 +55,7 @@ from jaxrunner.sampling_step import (TOP_LOGPROBS, SamplerOutput, sampling_step,
 from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.spec_info import VerifyInput
 from jaxrunner.speculative.steps import captured_hidden, verify_step
+from jaxrunner.split_prefill_step import abstract_layer_range, split_prefill_step
 from kernels_pallas import lowering
 from models.config import ModelConfig
 from models.load_format import abstract_state, load_state, resolve_load_format
@@ -75,7 +77,9 @@ _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", 
                          "expert_distribution_recorder_buffer_size",
                          "expert_distribution_recorder_dir",
                          "constrained_json_whitespace_pattern",
-                         "constrained_json_disable_any_whitespace")
+                         "constrained_json_disable_any_whitespace",
+                         # The layer ranges are array data of one program per prefill bucket.
+                         "enable_split_prefill", "split_prefill_layers")
 
 
 @jax.tree_util.register_dataclass
@@ -230,7 +234,11 @@ class ModelRunner:
                     + verify_buckets(args.max_running_requests, self.dllm.block_size,
                                      ForwardMode.DLLM_EXTEND))
         if self.speculative is None:
-            return all_buckets(args.max_prefill_tokens, args.max_running_requests)
+            buckets = all_buckets(args.max_prefill_tokens, args.max_running_requests)
+            if args.enable_split_prefill:
+                buckets += split_prefill_buckets(args.max_prefill_tokens,
+                                                 args.max_running_requests)
+            return buckets
         return (extend_buckets(args.max_prefill_tokens, args.max_running_requests)
                 + verify_buckets(args.max_running_requests, self.speculative.window))
 
@@ -539,6 +547,8 @@ class ModelRunner:
         if self.dllm is not None:
             return partial(_forward_step, self.graphdef, self.attn_backend, self.moe_runner,
                            self.aux_layers, dllm_block=self.dllm.block_size)
+        if mode == ForwardMode.SPLIT_PREFILL:
+            return partial(split_prefill_step, self.graphdef, self.attn_backend, self.moe_runner)
         if mode == ForwardMode.TARGET_VERIFY:
             return partial(verify_step, self.graphdef, self.attn_backend, self.moe_runner,
                            self.aux_layers, self.speculative.capture)
@@ -566,8 +576,13 @@ class ModelRunner:
 
     def _step_args(self, bucket: Bucket, capture: CaptureHiddenMode) -> tuple:
         """The abstract operands and ForwardBatch a bucket's step is lowered from."""
-        return (*self.step_operands(abstract=True),
+        args = (*self.step_operands(abstract=True),
                 self._per_dp_rank(self.forward_batch_spec(bucket, capture)))
+        if bucket.mode == ForwardMode.SPLIT_PREFILL:  # the residual stream and the range
+            hidden = jax.ShapeDtypeStruct(self.input_embeds_shape, self.dtype,
+                                          sharding=self.input_sharding)
+            args += (hidden, abstract_layer_range())
+        return args
 
     def _sampler_args(self, size: int) -> tuple:
         """The abstract (logits, SamplingBatch, slot state, vocabulary mask) the sampler of
@@ -683,11 +698,7 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
         """Runs one step: each forward mode has a path of its own; a mode without one raises.
         Updates the KV cache in place (donated)."""
-        if self.abstract:
-            raise RuntimeError("an abstract ModelRunner (compile_only) has no weights to run")
-        if self.released_tags:
-            raise RuntimeError(f"memory {sorted(self.released_tags)} is released; "
-                               f"resume_memory_occupation first")
+        self._check_serving()
         mode = fb.forward_mode
         if mode.is_decode():
             return self.forward_decode(fb)
@@ -699,11 +710,22 @@ class ModelRunner:
             return self.forward_draft_extend(fb)
         if mode.is_dllm_extend():
             return self.forward_dllm_extend(fb)
+        if mode.is_split_prefill():
+            raise ForwardModeNotImplemented(
+                "forward mode SPLIT_PREFILL runs a range of layers at a time: "
+                "ModelRunner.forward_split_prefill (engine argument enable_split_prefill)")
         if mode.is_idle():
             raise ForwardModeNotImplemented(
                 "forward mode IDLE has no step of its own: a data-parallel rank without work "
                 "takes part in its ranks' joint step as padding rows (jaxrunner/dp_attention.py)")
         raise ForwardModeNotImplemented(f"forward mode {mode.name} is not implemented")
+
+    def _check_serving(self) -> None:
+        if self.abstract:
+            raise RuntimeError("an abstract ModelRunner (compile_only) has no weights to run")
+        if self.released_tags:
+            raise RuntimeError(f"memory {sorted(self.released_tags)} is released; "
+                               f"resume_memory_occupation first")
 
     def forward_target_verify(self, fb: ForwardBatch):
         """TARGET_VERIFY: a fixed number of tokens per request, bucketed by batch size; returns
@@ -734,6 +756,26 @@ class ModelRunner:
         chunks, so it computes exactly what EXTEND does, through the same executables."""
         fb = fb.replace(forward_mode=ForwardMode.EXTEND)
         return self._replay(Bucket(ForwardMode.EXTEND, fb.num_tokens, fb.batch_size), fb)
+
+    def forward_split_prefill(self, fb: ForwardBatch, hidden: jax.Array, layers
+                              ) -> tuple[LogitsOutput, jax.Array]:
+        """SPLIT_PREFILL: decoder layers [layers.begin, layers.end) (`LayerRange` on the device)
+        of a prefill batch, bucketed as EXTEND is; `hidden` [C, D] is the residual stream the
+        previous range returned (the resident zeros before the first). -> (the step's logits,
+        meaningful from the range that ends at the last layer; the residual stream after the
+        range, still on the device)."""
+        if not self.args.enable_split_prefill:
+            raise ForwardModeNotImplemented("forward mode SPLIT_PREFILL needs the engine "
+                                            "argument enable_split_prefill")
+        bucket = Bucket(ForwardMode.SPLIT_PREFILL, fb.num_tokens, fb.batch_size)
+        executable = self.executables.get((bucket, fb.capture_hidden_mode))
+        if executable is None:
+            raise RuntimeError(f"no precompiled executable for {bucket} with capture mode "
+                               f"{fb.capture_hidden_mode.name}")
+        self._check_serving()
+        (fields, hidden), *donated = executable(*self.step_operands(), fb, hidden, layers)
+        self.store_step_operands(tuple(donated))
+        return LogitsOutput(*fields), hidden
 
     def _replay(self, bucket: Bucket, fb: ForwardBatch) -> LogitsOutput:
         key = (bucket, fb.capture_hidden_mode)

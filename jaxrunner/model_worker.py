@@ -34,6 +34,7 @@ from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_runner import LogitsOutput, ModelRunner
 from jaxrunner.sampling_step import SamplerOutput
 from jaxrunner.schedule_batch import ModelWorkerBatch
+from jaxrunner.split_prefill_step import LayerRange, SplitPrefillState
 from models.config import ModelConfig
 
 
@@ -93,6 +94,8 @@ class ModelWorker:
         self.model_runner = runner = ModelRunner(args, model_config, compile_monitor,
                                                  speculative=speculative)
         self.expert_recorder = self.eplb_manager = None
+        self.split_prefill_ranges = runner.args.split_prefill_ranges(
+            runner.model_config.num_hidden_layers)
         if runner.sharded_config.is_moe:
             args = runner.args
             self.expert_recorder = ExpertDistributionRecorder(
@@ -174,8 +177,13 @@ class ModelWorker:
                 slot_entries=(), vocab_mask_fn=None) -> GenerationBatchResult:
         """Runs an uploaded forward batch, (re)initialises the request slots that start using
         the sampling state (`slot_entries`), and samples."""
+        logits_output = self.model_runner.forward(forward_batch)
+        return self._sample(logits_output, sampling, num_reqs, num_tokens, slot_entries,
+                            vocab_mask_fn)
+
+    def _sample(self, logits_output: LogitsOutput, sampling, num_reqs: int, num_tokens: int,
+                slot_entries, vocab_mask_fn) -> GenerationBatchResult:
         runner = self.model_runner
-        logits_output = runner.forward(forward_batch)
         if any(slot_entries):
             runner.init_slots(slot_entries)
         vocab_mask = None
@@ -188,3 +196,40 @@ class ModelWorker:
             self.expert_recorder.on_forward_pass(logits_output.expert_counts)
             self.eplb_manager.on_forward_pass(logits_output.expert_counts)
         return GenerationBatchResult(out, logits_output, num_reqs, num_tokens)
+
+    # ---- split prefill (jaxrunner/split_prefill_step.py) ----
+
+    def begin_split_prefill(self, batch: ModelWorkerBatch,
+                            prev: GenerationBatchResult | None = None) -> SplitPrefillState:
+        """Uploads a prefill batch (mode SPLIT_PREFILL, padded to its bucket) whose layers
+        `forward_split_prefill` then runs a range at a time; nothing runs yet."""
+        runner = self.model_runner
+        prev_tokens = runner.no_prev_tokens if prev is None else prev.next_token_ids
+        forward_batch, sampling = ForwardBatch.init_new(batch, prev_tokens,
+                                                        runner.input_embeds_for(batch))
+        # Before the first range: the resident zeros of the residual stream's shape.
+        return SplitPrefillState(forward_batch, sampling, runner.no_input_embeds, 0,
+                                 batch.num_reqs, batch.num_tokens, batch.slot_entries)
+
+    def forward_split_prefill(self, split: SplitPrefillState, end: int, vocab_mask_fn=None
+                              ) -> GenerationBatchResult | None:
+        """Launches layers [split.layers_done, end); returns without waiting. The range that
+        reaches the last layer also samples and returns the batch's result; the others return
+        None (their residual stream stays in `split`, on the device)."""
+        runner = self.model_runner
+        layers = jax.device_put(LayerRange(np.int32(split.layers_done), np.int32(end)))
+        logits_output, split.hidden = runner.forward_split_prefill(split.forward_batch,
+                                                                   split.hidden, layers)
+        split.layers_done = end
+        if end < runner.model_config.num_hidden_layers:
+            if self.eplb_manager is not None:  # each range routes its own layers' tokens
+                self.expert_recorder.on_forward_pass(logits_output.expert_counts)
+            return None
+        return self._sample(logits_output, split.sampling, split.num_reqs, split.num_tokens,
+                            split.slot_entries, vocab_mask_fn)
+
+    def redirect_split_writes(self, split: SplitPrefillState, out_cache_loc: np.ndarray) -> None:
+        """Replaces the KV slots the remaining ranges write (i32[T]): a request aborted mid-split
+        writes the dummy page from now on, so its pages can go back at once."""
+        split.forward_batch = split.forward_batch.replace(
+            out_cache_loc=jax.device_put(out_cache_loc))

@@ -20,6 +20,8 @@ Each `step()` launches one model step and returns the requests whose new tokens 
   overlap: the device waits for the mask between the model and the sampler.
 - `n` samples of one prompt share its KV: a request whose prompt equals one admitted in the
   same step waits a step, and then finds that prompt in the prefix cache.
+- Split prefill (`enable_split_prefill`, jaxrunner/split_prefill.py): a prefill batch runs a
+  range of layers per step, with a decode step of the running requests after each range.
 """
 
 from collections.abc import Callable
@@ -35,6 +37,7 @@ from jaxrunner.schedule_batch import Req, ScheduleBatch
 from jaxrunner.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
                                        NEW_TOKEN_RATIO_DECAY, PrefillBudget, future_pages,
                                        order_waiting)
+from jaxrunner.split_prefill import SplitPrefill, splittable
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -84,6 +87,8 @@ class Scheduler:
         self.forward_ct = 0
         self.num_retractions = 0
         self._flushed: list[Req] = []      # results read early (before a retraction)
+        self.split: SplitPrefill | None = None  # a prefill batch run a layer range per step
+        self._range_ran = False            # the last step was a split range: decode next
 
     # ---- requests ----
 
@@ -91,7 +96,7 @@ class Scheduler:
     def has_work(self) -> bool:
         """Requests are waiting or running (a step in flight for finished ones only is not
         work: its tokens are surplus)."""
-        return bool(self.waiting or self.running or self.chunked_req or (
+        return bool(self.waiting or self.running or self.chunked_req or self.split or (
             self.in_flight and not all(r.finished for r in self.in_flight.batch.reqs)))
 
     def add_request(self, req: Req) -> None:
@@ -110,6 +115,8 @@ class Scheduler:
             self.running.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
+        if self.split is not None and req in self.split.reqs:
+            self._drop_from_split(req)
         self._release_kv(req)
         req.finished_reason = {"type": "abort", "message": message}
 
@@ -132,7 +139,10 @@ class Scheduler:
         if batch is not None and batch.forward_mode.is_target_verify():
             updated, self._flushed = self._flushed, []
             return updated + self._run_speculative(batch)
-        launched = self._launch(batch) if batch is not None else None
+        if batch is not None and batch.forward_mode.is_split_prefill():
+            launched = self._launch_split_range(batch)  # None until the last range
+        else:
+            launched = self._launch(batch) if batch is not None else None
         updated, self._flushed = self._flushed, []
         if self.overlap:
             if self.in_flight is not None:
@@ -144,6 +154,14 @@ class Scheduler:
 
     def get_next_batch(self) -> ScheduleBatch | None:
         """This step's batch with its KV pages allocated, or None when there is nothing to run."""
+        if self._range_ran:
+            # One decode step after each range of a split prefill.
+            self._range_ran = False
+            decoding = self._decodable() and self._ensure_decode_pages(self._decodable())
+            if decoding:
+                return self._decode_batch(decoding)
+        if self.split is not None:
+            return self.split.batch
         mixed = self.args.enable_mixed_chunk
         decoding = self._decodable()
         if decoding and mixed:
@@ -154,11 +172,19 @@ class Scheduler:
             if mixed and decoding:
                 return self._schedule(reqs + decoding, ForwardMode.MIXED,
                                       lens + [1] * len(decoding))
+            # Split only with requests to decode between the ranges: alone, a prefill runs
+            # fastest in one step.
+            if self.args.enable_split_prefill and decoding and splittable(reqs):
+                return self._schedule(reqs, ForwardMode.SPLIT_PREFILL, lens)
             return self._schedule(reqs, ForwardMode.EXTEND, lens)
         if decoding and not mixed:
             decoding = self._ensure_decode_pages(decoding)
         if not decoding:
             return None
+        return self._decode_batch(decoding)
+
+    def _decode_batch(self, decoding: list[Req]) -> ScheduleBatch:
+        """A decode step (a verify round under speculation) of `decoding`, pages ensured."""
         self.new_token_ratio = max(self.min_new_token_ratio,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if self.spec_window is not None:
@@ -274,11 +300,52 @@ class Scheduler:
         decoding = self._decodable()
         while decoding and self._decode_pages(decoding) > self._free_after_eviction(
                 self._decode_pages(decoding)):
+            if self.split is not None:  # it holds the newest pages, and has no tokens yet
+                self._retract_split()
+                continue
             newest = max(decoding, key=lambda r: r.rid)
             self._retract(newest)
             decoding.remove(newest)
         self.new_token_ratio = self.init_new_token_ratio
         return decoding
+
+    def _retract_split(self) -> None:
+        """Puts a split prefill's requests back in the queue; the ranges already launched write
+        only their own pages, which go back now (their prefixes to the cache)."""
+        split, self.split = self.split, None
+        for req in split.live_reqs():
+            if req is self.chunked_req:
+                self.chunked_req = None
+            self._release_kv(req)
+            req.num_retractions += 1
+            self.num_retractions += 1
+            self.waiting.append(req)
+
+    def _drop_from_split(self, req: Req) -> None:
+        """An aborted request leaves its split prefill: the remaining ranges write its tokens'
+        KV to the dummy page (its pages are freed by the caller); a split left with no request
+        runs no further range."""
+        split = self.split
+        if all(r is req for r in split.live_reqs()):
+            self.split = None
+            return
+        self.worker.redirect_split_writes(split.state, split.drop_writes(req, self.page_size))
+
+    def _launch_split_range(self, batch: ScheduleBatch) -> LaunchedBatch | None:
+        """Launches the next layer range of the split prefill of `batch` (uploading the batch
+        at its first range); the last range's step is booked as a launched prefill step."""
+        split = self.split
+        if split is None:  # its first range
+            prev = self.in_flight.result if self.in_flight is not None else None
+            split = self.split = SplitPrefill.begin(self.worker, batch, prev)
+        self._range_ran = True
+        last = split.at_last_range
+        result = self.worker.forward_split_prefill(split.state, split.next_end)
+        split.next_range += 1
+        if not last:
+            return None
+        self.split = None
+        return self.record_launch(batch, result)
 
     def _decode_pages(self, reqs: list[Req]) -> int:
         """Pages a decode step over `reqs` adds: one per request whose next token starts one
@@ -401,6 +468,9 @@ class Scheduler:
         samples, prefixes = [], []
         for req, n in zip(batch.reqs, batch.extend_lens):
             prefixes.append(req.num_computed_tokens)
+            if req.finished:  # aborted while its split prefill ran
+                samples.append(False)
+                continue
             req.num_computed_tokens += n
             sampled = req.num_computed_tokens == req.seq_len
             samples.append(sampled)

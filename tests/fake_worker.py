@@ -9,6 +9,11 @@ request, a chunk boundary off by one or a retraction that loses a token all chan
 It also checks each batch against its bucket (padding rows empty, padding tokens on the dummy
 page, no slot written twice).
 
+Split prefill (`begin_split_prefill`, `forward_split_prefill`, `redirect_split_writes`): every
+range of "layers" writes the batch's ids into the KV (as every layer range writes its layers'
+KV), and the last range computes the tokens; so a page freed mid-split and handed to another
+request while later ranges still write it changes that request's output.
+
 A grammar's token bitmask (`vocab_mask_fn`, asked for after the "forward pass" as the real worker
 does) moves a masked row's token to the first allowed id at or after the hash, cyclically.
 """
@@ -17,8 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxrunner.buckets import all_buckets, executable_mode, pick_bucket, verify_buckets
+from jaxrunner.buckets import (all_buckets, executable_mode, pick_bucket, split_prefill_buckets,
+                               verify_buckets)
 from jaxrunner.config import EngineArgs
+from jaxrunner.forward_mode import ForwardMode
 from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
 from jaxrunner.schedule_batch import ModelWorkerBatch
 
@@ -80,6 +87,9 @@ class FakeWorker:
     vocab_size: int = VOCAB
     batches: list[ModelWorkerBatch] = field(default_factory=list)
     masks: list[np.ndarray] = field(default_factory=list)  # the bitmasks asked for, in order
+    num_layers: int = 4
+    # What each launch ran, in order: a batch's mode name, or ("RANGE", end) for a split range.
+    events: list = field(default_factory=list)
 
     def __post_init__(self):
         ps = self.args.page_size
@@ -88,7 +98,11 @@ class FakeWorker:
         self.allocator = PageAllocator(self.num_pages)
         self.kv = np.full(self.num_pages * ps, -1, np.int64)
         self.buckets = all_buckets(self.args.max_prefill_tokens, self.args.max_running_requests)
+        if self.args.enable_split_prefill:
+            self.buckets += split_prefill_buckets(self.args.max_prefill_tokens,
+                                                  self.args.max_running_requests)
         self.rows = max(b.num_reqs for b in self.buckets)
+        self.split_prefill_ranges = self.args.split_prefill_ranges(self.num_layers)
 
     @classmethod
     def create(cls, num_pages: int = 512, **overrides) -> "FakeWorker":
@@ -102,28 +116,68 @@ class FakeWorker:
     def pick_bucket(self, mode, num_tokens, num_reqs):
         return pick_bucket(self.buckets, executable_mode(mode), num_tokens, num_reqs)
 
+    def begin_split_prefill(self, batch: ModelWorkerBatch, prev: FakeResult | None = None):
+        assert batch.forward_mode == ForwardMode.SPLIT_PREFILL
+        self.batches.append(batch)
+        return FakeSplit(batch, self._input_ids(batch, prev), prev)
+
+    def forward_split_prefill(self, split: "FakeSplit", end: int, vocab_mask_fn=None):
+        assert end > split.layers_done, "a range ran twice"
+        batch, ps = split.batch, self.args.page_size
+        split.layers_done = end
+        self.events.append(("RANGE", end))
+        n = batch.num_tokens
+        real = batch.out_cache_loc[:n] // ps != DUMMY_PAGE
+        self.kv[batch.out_cache_loc[:n][real]] = split.ids[:n][real]
+        if end < self.num_layers:
+            return None
+        return self._generate(batch, split.prev, vocab_mask_fn, split.dropped)
+
+    def redirect_split_writes(self, split: "FakeSplit", out_cache_loc: np.ndarray) -> None:
+        ps, starts = self.args.page_size, np.cumsum(split.batch.extend_seq_lens)
+        split.batch.out_cache_loc = out_cache_loc.copy()
+        for i in range(split.batch.num_reqs):
+            slots = out_cache_loc[starts[i] - split.batch.extend_seq_lens[i]:starts[i]]
+            if (slots // ps == DUMMY_PAGE).all():
+                split.dropped.add(i)
+
+    def _input_ids(self, batch: ModelWorkerBatch, prev: FakeResult | None) -> np.ndarray:
+        ids = batch.input_ids.astype(np.int64)
+        src = batch.input_token_src
+        if (src >= 0).any():
+            assert prev is not None, "a token on the device, but no step in flight"
+            ids = np.where(src >= 0, prev.next_token_ids[np.clip(src, 0, None)], ids)
+        return ids
+
     def forward_batch_generation(self, batch: ModelWorkerBatch, prev: FakeResult | None = None,
                                  vocab_mask_fn=None):
         self.batches.append(batch)
+        self.events.append(batch.forward_mode.name)
+        return self._generate(batch, prev, vocab_mask_fn)
+
+    def _generate(self, batch: ModelWorkerBatch, prev, vocab_mask_fn, dropped=()):
+        """One step; the rows in `dropped` (aborted mid-split, writing the dummy page) get
+        token 0."""
         bucket, ps = batch.bucket, self.args.page_size
         T, R, n, r = bucket.num_tokens, bucket.num_reqs, batch.num_tokens, batch.num_reqs
         assert batch.input_ids.shape == (T,) and batch.seq_lens.shape == (R,)
         assert n <= T and r <= R and int(batch.extend_seq_lens.sum()) == n
         assert not batch.seq_lens[r:].any() and not batch.extend_seq_lens[r:].any()
         assert (batch.out_cache_loc[n:] // ps == DUMMY_PAGE).all(), "padding off the dummy page"
-        real_slots = batch.out_cache_loc[:n]
-        assert len(set(real_slots.tolist())) == n, "two tokens write one KV slot"
-        assert (real_slots // ps != DUMMY_PAGE).all(), "a real token writes the dummy page"
-        ids = batch.input_ids.astype(np.int64)
-        src = batch.input_token_src
-        if (src >= 0).any():
-            assert prev is not None, "a token on the device, but no step in flight"
-            ids = np.where(src >= 0, prev.next_token_ids[np.clip(src, 0, None)], ids)
-        self.kv[real_slots] = ids[:n]
+        written = batch.out_cache_loc[:n]
+        real = written // ps != DUMMY_PAGE
+        real_slots = written[real]
+        assert len(set(real_slots.tolist())) == len(real_slots), "two tokens write one KV slot"
+        assert dropped or real.all(), "a real token writes the dummy page"
+        ids = self._input_ids(batch, prev)
+        self.kv[real_slots] = ids[:n][real]
         tokens = np.zeros(self.rows, np.int32)
         start = 0
         for i in range(r):
             length, new = int(batch.seq_lens[i]), int(batch.extend_seq_lens[i])
+            if i in dropped:
+                start += new
+                continue
             assert int(batch.extend_prefix_lens[i]) + new == length
             positions = np.arange(length)
             pages = batch.page_table[i][positions // ps]
@@ -141,6 +195,17 @@ class FakeWorker:
             for i in np.flatnonzero(batch.sampling.constrained):
                 tokens[i] = masked_token(int(tokens[i]), np.flatnonzero(bits[i]))
         return FakeResult(tokens, np.zeros(self.rows, np.float32), r)
+
+
+@dataclass
+class FakeSplit:
+    """The fake's split prefill in progress."""
+
+    batch: ModelWorkerBatch
+    ids: np.ndarray
+    prev: FakeResult | None
+    layers_done: int = 0
+    dropped: set = field(default_factory=set)
 
 
 @dataclass
