@@ -168,8 +168,6 @@ def test_bad_adapters_are_named(lora_engine, tmp_path):
 
 def test_lora_settings_are_checked(checkpoint, adapters):
     base, paths = adapters
-    with pytest.raises(ValueError, match="lora_path 'attn8' given, but this engine serves no"):
-        Engine.lora_adapter(type("E", (), {"lora_registry": None})(), "attn8")
     with pytest.raises(ValueError, match="needs max_lora_rank"):
         Engine(model_path=str(base), enable_lora=True, lora_target_modules="all")
     with pytest.raises(ValueError, match=r"lora_target_modules \['lm_head'\]"):
@@ -178,3 +176,52 @@ def test_lora_settings_are_checked(checkpoint, adapters):
     with pytest.raises(ValueError, match="LoRA is not implemented with speculative decoding"):
         Engine(model_path=str(base), lora_paths=f"a={paths['attn8']}",
                speculative_algorithm="NGRAM")
+
+
+def test_http_routes(lora_engine):
+    """/generate's lora_path, the OpenAI routes' model="base:adapter" or the adapter's name,
+    /v1/models listing the adapters, /load_lora_adapter and /unload_lora_adapter, and 400/404
+    for unknown adapters, with the engine still serving (the app runs in-process on the
+    module's engine)."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from jaxrunner.server.app import build_app
+
+    engine, ref, paths = lora_engine
+    prompt = [11, 12, 13, 14, 15]
+    want = {name: ref.generate(prompt, name) for name in (None, "attn8", "all16", "attn16")}
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0.0}
+    with TestClient(build_app(engine, "base")) as client:
+        r = client.post("/generate", json={"input_ids": [prompt, prompt, prompt],
+                                           "lora_path": ["attn8", None, "all16"],
+                                           "sampling_params": params})
+        assert r.status_code == 200, r.text
+        assert [o["output_ids"] for o in r.json()] == [want["attn8"], want[None], want["all16"]]
+        for model, name in (("base:all16", "all16"), ("attn8", "attn8"), ("base", None)):
+            r = client.post("/v1/completions", json={"model": model, "prompt": prompt,
+                                                     "max_tokens": MAX_NEW, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
+            assert r.json()["usage"]["completion_tokens"] == len(want[name])
+            assert r.json()["choices"][0]["text"] == engine.tokenizer.decode(
+                want[name], skip_special_tokens=True)
+        ids = {m["id"] for m in client.get("/v1/models").json()["data"]}
+        assert {"base", "base:attn8", "base:all16"} <= ids
+        r = client.post("/v1/completions", json={"model": "base:nope", "prompt": prompt})
+        assert r.status_code == 404 and "base:nope" in r.json()["error"]["message"]
+        r = client.post("/generate", json={"input_ids": prompt, "lora_path": "nope"})
+        assert r.status_code == 400 and "unknown LoRA adapter 'nope'" in r.text
+        r = client.post("/unload_lora_adapter", json={"lora_name": "attn16"})
+        assert r.status_code == 200 and "attn16" not in r.json()["loaded_adapters"]
+        r = client.post("/load_lora_adapter", json={"lora_name": "big",
+                                                    "lora_path": str(paths["rank32"])})
+        assert r.status_code == 400 and not r.json()["success"]
+        assert "max_lora_rank" in r.json()["error_message"]
+        r = client.post("/load_lora_adapter", json={"lora_name": "attn16",
+                                                    "lora_path": str(paths["attn16"])})
+        assert r.status_code == 200 and "attn16" in r.json()["loaded_adapters"], r.text
+        r = client.post("/generate", json={"input_ids": prompt, "lora_path": "attn16",
+                                           "sampling_params": params})
+        assert r.json()["output_ids"] == want["attn16"]
+    assert engine.compile_monitor.count == engine.runner.warm_compile_count
