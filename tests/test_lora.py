@@ -18,10 +18,11 @@ from models.random_lora import make_lora_adapter
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL = ATTN + ["gate_proj", "up_proj", "down_proj"]
 # 16 ragged prompts (some past a page): EXTEND steps mixing every adapter, then DECODE steps of
-# all 16 together. Few buckets (a prefill budget of 64 tokens): a LoRA engine compiles its own.
+# all 16 together. Few buckets (a prefill budget of 32 tokens, so prompts are chunked too): a
+# LoRA engine compiles executables of its own.
 PROMPT_LENS = [1, 3, 17, 5, 9, 2, 20, 4, 6, 8, 11, 7, 3, 12, 5, 10]
 MAX_NEW = 8
-LORA_ENGINE = dict(max_running_requests=16, max_prefill_tokens=64, max_loras_per_batch=2,
+LORA_ENGINE = dict(max_running_requests=16, max_prefill_tokens=32, max_loras_per_batch=2,
                    max_lora_rank=16)
 
 
