@@ -205,9 +205,9 @@ class ModelRunner:
         self.args = resolve_lora_args(self._with_platform_defaults(args), model_config)
         self.load_model()
         self.configure_kv_cache_dtype()
+        self.init_lora_pool()
         self.init_memory_pool()
         self.init_attention_backend()
-        self.init_lora_pool()
         self.buckets = self.plan_buckets()
         self.precompile()
 
@@ -321,6 +321,8 @@ class ModelRunner:
                              f"is no device memory to size the KV cache from")
         else:
             budget = available_kv_memory(self.device, self.weights_bytes, args.mem_fraction_static)
+            if self.lora_pool is not None:  # the adapter slots are taken before the KV cache
+                budget -= self.lora_pool.device_bytes
             # The request slots' sampling state (jaxrunner/penalties.py) comes out of it first.
             budget -= self.parallel.dp_size * slot_state_bytes(args.max_running_requests + 1,
                                                                cfg.vocab_size)

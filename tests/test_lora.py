@@ -6,6 +6,7 @@ engine runs with disallow_compile_after_warmup: a swap or load that compiled wou
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from models.random_lora import make_lora_adapter
+from tests.test_engine import test_no_executable_copies_the_kv_cache as _check_no_kv_copy
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL = ATTN + ["gate_proj", "up_proj", "down_proj"]
@@ -106,6 +108,15 @@ def test_mixed_batch_matches_peft(lora_engine):
     for name in ("attn8", "all16"):
         assert any(o["output_ids"] != b for o, b, n in zip(outs, base, names) if n == name)
     assert engine.compile_monitor.count == engine.runner.warm_compile_count
+
+
+def test_no_copy_of_the_kv_cache_or_the_adapter_pool(lora_engine):
+    engine = lora_engine[0]
+    _check_no_kv_copy(engine)
+    pool = engine.runner.lora_pool
+    pool_bytes = sum(x.nbytes for x in jax.tree.leaves(pool.arrays))
+    # A swap writes its slot into the donated pool in place.
+    assert pool.write_executable.memory_analysis().alias_size_in_bytes >= pool_bytes
 
 
 def test_more_adapters_than_slots_load_and_unload(lora_engine):
@@ -226,3 +237,25 @@ def test_http_routes(lora_engine):
                                            "sampling_params": params})
         assert r.json()["output_ids"] == want["attn16"]
     assert engine.compile_monitor.count == engine.runner.warm_compile_count
+
+
+def test_registry_pins_waits_and_evicts_least_recently_used():
+    from jaxrunner.lora.adapter import LoraAdapter
+    from jaxrunner.lora.registry import LoraRegistry
+
+    writes = []
+    registry = LoraRegistry(None, num_slots=2, max_rank=8, target_modules=tuple(ATTN),
+                            write_slot=lambda slot, a: writes.append((slot, a.name)))
+    a, b, c = (LoraAdapter(n, n, uid, 8, 1.0, {}) for uid, n in enumerate("abc"))
+    assert (registry.acquire(a), registry.acquire(b)) == (0, 1)
+    assert registry.acquire(c) is None  # both slots pinned: c's request waits
+    registry.release(0)
+    assert registry.acquire(c) == 0 and registry.num_evictions == 1  # a was unpinned
+    registry.release(1)  # b: unpinned first, so least recently used
+    registry.release(0)
+    assert registry.acquire(a) == 1  # b's slot
+    assert registry.acquire(c) == 0  # still resident: no copy
+    assert writes == [(0, "a"), (1, "b"), (0, "c"), (1, "a")]
+    assert registry.num_swaps == 4 and registry.num_evictions == 2 and registry.pins == [1, 1]
+    with pytest.raises(RuntimeError, match="released more often"):
+        registry.release(0), registry.release(0)

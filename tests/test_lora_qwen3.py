@@ -14,8 +14,8 @@ def test_qwen3_attention_pool(checkpoint, engine_kwargs, tmp_path_factory):
     base = checkpoint("tiny-qwen3")
     root = tmp_path_factory.mktemp("lora_qwen3")
     paths = {"r8": make_lora_adapter(base, root / "r8", rank=8, target_modules=ATTN, seed=6),
-             "r16": make_lora_adapter(base, root / "r16", rank=16, target_modules=["q_proj", "v_proj"],
-                                      seed=7)}
+             "r16": make_lora_adapter(base, root / "r16", rank=16,
+                                      target_modules=["q_proj", "v_proj"], seed=7)}
     mlp = make_lora_adapter(base, root / "mlp", rank=8, target_modules=ALL, seed=8)
     engine = Engine(model_path=str(base), **dict(
         engine_kwargs, **LORA_ENGINE, lora_paths=",".join(f"{k}={v}" for k, v in paths.items())))

@@ -74,8 +74,9 @@ def resolve_lora_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
 class LoraPool:
     """The adapter slots on the device (`arrays`) and the program that writes one."""
 
-    def __init__(self, args: EngineArgs, sharded_config: ModelConfig, checkpoint_config: ModelConfig,
-                 dtype, mesh: jax.sharding.Mesh, abstract: bool = False):
+    def __init__(self, args: EngineArgs, sharded_config: ModelConfig,
+                 checkpoint_config: ModelConfig, dtype, mesh: jax.sharding.Mesh,
+                 abstract: bool = False):
         """`args` resolved (`resolve_lora_args`); `sharded_config` is the model as sharded (KV
         heads repeated), `checkpoint_config` the adapters' model."""
         self.num_slots, self.rank = args.max_loras_per_batch, args.max_lora_rank
@@ -95,15 +96,16 @@ class LoraPool:
                      for sa, sb in [self.shardings[m]]}
         # One slot's weights, as `write` takes them: the pool's shardings without the slot axis.
         self.slot_spec = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape[:1] + s.shape[2:], s.dtype,
-                                           sharding=NamedSharding(mesh, P(*_drop_slot(s.sharding.spec)))),
+            lambda s: jax.ShapeDtypeStruct(
+                s.shape[:1] + s.shape[2:], s.dtype,
+                sharding=NamedSharding(mesh, P(*_drop_slot(s.sharding.spec)))),
             self.spec)
         self.replicated = NamedSharding(mesh, P())
         self.arrays = self.spec if abstract else jax.tree.map(
             lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), self.spec)
         self._write_fn = jax.jit(_write_slot, donate_argnums=(0,),
                                  out_shardings=jax.tree.map(lambda s: s.sharding, self.spec))
-        self._write = None
+        self.write_executable = None
 
     def _shardings(self, mesh, module: str, tp: int):
         d_in, d_out = self.shapes[module]
@@ -116,6 +118,12 @@ class LoraPool:
             return replicated, replicated
         return replicated, NamedSharding(mesh, P(None, None, None, TENSOR_AXIS))
 
+    @property
+    def device_bytes(self) -> int:
+        """What one device holds of the pool."""
+        return sum(int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize
+                   for s in jax.tree.leaves(self.spec))
+
     def batch_spec(self, num_tokens: int) -> LoraBatch:
         """The abstract `ForwardBatch.lora` of a bucket of `num_tokens` tokens."""
         return LoraBatch(self.spec, jax.ShapeDtypeStruct((num_tokens,), jnp.int32))
@@ -123,7 +131,7 @@ class LoraPool:
     def compile(self, compiled) -> None:
         """Compiles the slot-writing program through `compiled(name, lower)` (start-up)."""
         slot = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
-        self._write = compiled(f"lora write {self.num_slots}x{self.rank}",
+        self.write_executable = compiled(f"lora write {self.num_slots}x{self.rank}",
                                lambda: self._write_fn.lower(self.spec, slot, self.slot_spec))
 
     def host_weights(self, adapter: LoraAdapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -147,8 +155,8 @@ class LoraPool:
         compiles nothing)."""
         new = jax.tree.map(lambda host, s: jax.device_put(host, s.sharding),
                            self.host_weights(adapter), self.slot_spec)
-        self.arrays = self._write(self.arrays, jax.device_put(np.int32(slot), self.replicated),
-                                  new)
+        slot = jax.device_put(np.int32(slot), self.replicated)
+        self.arrays = self.write_executable(self.arrays, slot, new)
 
 
 def _drop_slot(spec: P) -> tuple:
