@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-prefill-tokens", type=int, default=256,
+                   help="the prefill budget (fewer buckets to compile than the CPU default)")
     p.add_argument("--swaps", type=int, default=10)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--adapter-dir", help="where the random adapters go (default: a temp dir)")
@@ -85,6 +87,7 @@ def main(argv=None) -> dict:
              for i, n in enumerate(names)}
     common = dict(model_path=model_path, dtype=args.dtype, show_progress=False,
                   max_running_requests=args.batch_size,
+                  max_prefill_tokens=args.max_prefill_tokens,
                   compilation_cache_dir=args.compilation_cache_dir)
     rng = np.random.default_rng(0)
     runs = []
