@@ -178,6 +178,7 @@ class LlamaForCausalLM(nnx.Module):
         # LoRA (jaxrunner/lora/layers.py): the pool's [L, S, ...] rows ride the scan with the
         # weights; without it the loop data hold nothing more and the program is unchanged.
         onehot = fb.lora.onehot(x.dtype) if fb.lora is not None else None
+        active = fb.lora.any_adapter if fb.lora is not None else None
         for run, layers in zip(self.config.layer_runs, self.model.layers):
             graphdef, layers_state = nnx.split(layers)
             run_lora = fb.lora.layers(run.start, run.num_layers) if fb.lora is not None else {}
@@ -194,7 +195,7 @@ class LlamaForCausalLM(nnx.Module):
                 layer = nnx.merge(graphdef, state)
                 x, flat_cache, layer_counts = layer(x, cos, sin, flat_cache, index, fb, backend,
                                                     meta, valid, moe_runner,
-                                                    LoraLayer(lora_weights, onehot))
+                                                    LoraLayer(lora_weights, onehot, active))
                 return (x, flat_cache, aux), layer_counts
 
             index = run.start + jnp.arange(run.num_layers, dtype=jnp.int32)

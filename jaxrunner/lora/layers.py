@@ -11,7 +11,7 @@ token, a few percent of the base projection's 2 in out for the slot counts and r
 no gather of per-token matrices and no data-dependent shape: one executable for any mix of
 adapters, and GSPMD shards it like the base weights (A and B are split where W is). A base token's
 mask row is all zeros, so its delta is exactly zero; ranks below the pool's are zero-padded,
-which adds nothing either.
+which adds nothing either. A step without any adapter token skips the update (`lax.cond`).
 """
 
 from dataclasses import dataclass
@@ -30,6 +30,11 @@ class LoraBatch:
     weights: dict[str, tuple[jax.Array, jax.Array]]
     token_slots: jax.Array  # i32[T]: each token's adapter slot; -1: the base model (or padding)
 
+    @property
+    def any_adapter(self) -> jax.Array:
+        """bool[]: some token of the step runs with an adapter."""
+        return jnp.any(self.token_slots >= 0)
+
     def onehot(self, dtype) -> jax.Array:
         """[T, S]: 1 where the token's adapter sits in the slot."""
         slots = jnp.arange(next(iter(self.weights.values()))[0].shape[1], dtype=jnp.int32)
@@ -47,6 +52,7 @@ class LoraLayer:
 
     weights: dict[str, tuple[Any, Any]]  # module -> (A [S, in, r], B [S, r, out])
     onehot: Any = None                   # [T, S] (LoraBatch.onehot); None without LoRA
+    active: Any = None                   # bool[] (LoraBatch.any_adapter)
 
     def apply(self, module: str, x: jax.Array, y: jax.Array) -> jax.Array:
         """y (= module's base output for x [T, in]) plus each token's adapter's low-rank
@@ -55,8 +61,14 @@ class LoraLayer:
         if pair is None:
             return y
         a, b = pair
-        u = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype)) * self.onehot[:, :, None]
-        return y + jnp.einsum("tsr,sro->to", u, b.astype(x.dtype)).astype(y.dtype)
+
+        def update():
+            u = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype)) * self.onehot[:, :, None]
+            return y + jnp.einsum("tsr,sro->to", u, b.astype(x.dtype)).astype(y.dtype)
+
+        # A step of base-model requests only skips the work (a LoRA engine serving base
+        # traffic then costs what an engine without LoRA does, nearly).
+        return jax.lax.cond(self.active, update, lambda: y)
 
 
 NO_LORA = LoraLayer({})
