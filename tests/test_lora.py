@@ -3,6 +3,7 @@ mixed batches of base and adapter requests, more adapters than device slots (LRU
 and unloads while serving, the prefix cache keyed by adapter, and bad adapters named. Every
 engine runs with disallow_compile_after_warmup: a swap or load that compiled would raise."""
 
+import dataclasses
 import json
 import shutil
 
@@ -259,3 +260,24 @@ def test_registry_pins_waits_and_evicts_least_recently_used():
     assert registry.num_swaps == 4 and registry.num_evictions == 2 and registry.pins == [1, 1]
     with pytest.raises(RuntimeError, match="released more often"):
         registry.release(0), registry.release(0)
+
+
+def test_registry_refuses_modules_outside_the_pool_and_moe_mlps(adapters):
+    from jaxrunner.lora.adapter import LoraAdapterError, read_adapter
+    from jaxrunner.lora.registry import LoraRegistry
+    from models.config import ModelConfig
+
+    base, paths = adapters
+    cfg = ModelConfig.from_pretrained(base)
+    registry = LoraRegistry(cfg, num_slots=2, max_rank=16, target_modules=tuple(ATTN),
+                            write_slot=lambda slot, adapter: None)
+    with pytest.raises(LoraAdapterError, match=r"targets \['gate_proj', 'up_proj', 'down_proj'\]"
+                                                r", outside the engine's lora_target_modules"):
+        registry.load("all8", str(paths["all8"]))
+    assert registry.load("attn8", str(paths["attn8"])).target_modules == tuple(ATTN)
+    # A MoE model's experts are not dense projections: an MLP adapter is refused by name.
+    moe = dataclasses.replace(cfg, num_experts=8, num_experts_per_tok=2)
+    assert moe.is_moe
+    with pytest.raises(LoraAdapterError, match=r"target modules \['down_proj', 'gate_proj', "
+                                                r"'up_proj'\] are not modules of this model"):
+        read_adapter("all8", paths["all8"], moe, uid=0)
