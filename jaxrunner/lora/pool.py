@@ -45,6 +45,9 @@ def resolve_lora_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
         raise ValueError("LoRA is not implemented with speculative decoding")
     if args.dp_size > 1:
         raise ValueError("LoRA is not implemented with dp_size > 1 (DP attention)")
+    if args.nnodes > 1:
+        # Loads and slot copies would have to run in lock-step on every host.
+        raise ValueError("LoRA is not implemented for multi-host runs (nnodes > 1)")
     allowed = model_lora_modules(cfg)
     configs = [(path, read_config(path)) for _, path in paths]
     rank = args.max_lora_rank
