@@ -162,7 +162,29 @@ class EngineArgs:
     expert_distribution_recorder_buffer_size: int = 1000
     expert_distribution_recorder_dir: str | None = None
 
+    # Multi-LoRA serving (jaxrunner/lora/, SGLang's names). `lora_paths`: adapters in PEFT's
+    # format loaded at start-up, "name=path" entries separated by commas (a bare path is its own
+    # name; from Python also a list of entries or a {name: path} dict). `enable_lora` (None: on
+    # when lora_paths is given) keeps a device pool of `max_loras_per_batch` adapter slots of
+    # rank `max_lora_rank` (None: the largest of lora_paths) over `lora_target_modules`
+    # (comma-separated projection names, or "all"; None: those lora_paths target). More adapters
+    # than slots stay in host memory and are swapped in on demand (LRU).
+    enable_lora: bool | None = None
+    lora_paths: str | None = None
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: str | None = None
+
     def __post_init__(self):
+        # Lists and dicts from Python become the CLI's comma-separated form (hashable, one
+        # spelling in the executable cache's key).
+        if isinstance(self.lora_paths, dict):
+            object.__setattr__(self, "lora_paths",
+                               ",".join(f"{k}={v}" for k, v in self.lora_paths.items()))
+        for name in ("lora_paths", "lora_target_modules"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, name, ",".join(str(v) for v in value))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -183,7 +205,7 @@ class EngineArgs:
                 and self.ep_num_redundant_experts >= 0):
             raise ValueError(f"ep_num_redundant_experts must be a non-negative integer, got "
                              f"{self.ep_num_redundant_experts!r}")
-        for name in ("page_size", "tp_size", "dp_size", "nnodes", "ep_size",
+        for name in ("page_size", "tp_size", "dp_size", "nnodes", "ep_size", "max_loras_per_batch",
                      "eplb_rebalance_num_iterations", "expert_distribution_recorder_buffer_size"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")

@@ -96,7 +96,7 @@ class Engine(EngineLifecycle):
                  return_logprob: bool | list[bool] = False, priority: int | list[int] = 0,
                  top_logprobs_num: int | list[int] = 0, logprob_start_len: int | list[int] = -1,
                  show_progress: bool = False, input_embeds=None, replace_embeds=None,
-                 replace_positions=None):
+                 replace_positions=None, lora_path: str | list[str | None] | None = None):
         """Generates for one prompt (a dict back) or a list of prompts (a list of dicts back).
 
         `prompt` is text (or a list of texts), `input_ids` token ids (or a list of lists),
@@ -111,7 +111,9 @@ class Engine(EngineLifecycle):
         and of the prompt from `logprob_start_len` (-1: none), as SGLang's `/generate` does.
         Every request is validated before any runs: a bad one raises ValueError naming it, and
         nothing is enqueued; while the memory is released it raises EngineNotReadyError.
-        `show_progress` draws a progress bar of finished requests.
+        `show_progress` draws a progress bar of finished requests. `lora_path` names the LoRA
+        adapter each request runs with (SGLang's: a name from `lora_paths` or
+        `load_lora_adapter`; None: the base model), one for all or a list.
         """
         self._check_serving()
         single, prompts, embeds = self._normalize_prompts(prompt, input_ids, input_embeds)
@@ -122,15 +124,16 @@ class Engine(EngineLifecycle):
             (logprob_start_len, "logprob_start_len", -1),
             (replace_embeds if not single else [replace_embeds], "replace_embeds", None),
             (replace_positions if not single else [replace_positions], "replace_positions",
-             None))]
+             None), (lora_path, "lora_path", None))]
         reqs = []
-        for i, (ids, p, lp, prio, top, start, replaced, positions) in enumerate(
+        for i, (ids, p, lp, prio, top, start, replaced, positions, lora) in enumerate(
                 zip(prompts, *per_request)):
             try:
                 override = self._override(len(ids), embeds[i], replaced, positions)
                 group = self.request_factory.make_group(
                     ids, p, return_logprob=lp, priority=prio, top_logprobs_num=top,
-                    logprob_start_len=start, embed_override=override)
+                    logprob_start_len=start, embed_override=override,
+                    lora=self.lora_adapter(lora))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
             reqs += group
@@ -171,8 +174,10 @@ class Engine(EngineLifecycle):
         """A validated request (grammar compiled, id and seed drawn), not queued; thread-safe,
         so a server makes them off the thread that steps the engine. `input_embeds`: the
         prompt as embeddings (`input_ids` then placeholders of its length); `options` are
-        `RequestFactory.make`'s."""
+        `RequestFactory.make`'s, with `lora_path` (an adapter's name) for its `lora`."""
         self._check_serving()
+        if "lora_path" in options:
+            options["lora"] = self.lora_adapter(options.pop("lora_path"))
         if input_embeds is not None:
             options["embed_override"] = self._override(len(input_ids), input_embeds, None, None)
         return self.request_factory.make(input_ids, sampling_params, **options)
@@ -288,6 +293,49 @@ class Engine(EngineLifecycle):
                 "req_slots_total": sum(s.req_to_token_pool.num_slots for s in ranks),
                 "req_slots_free": sum(s.req_to_token_pool.num_free_slots for s in ranks),
                 "num_requests_waiting": len(self.scheduler.waiting)}
+
+    # ---- LoRA adapters ----
+
+    @property
+    def lora_registry(self):
+        """The adapters and their device slots (jaxrunner/lora/registry.py); None without
+        LoRA."""
+        return getattr(self.worker, "lora_registry", None)  # a speculative worker has none
+
+    def lora_adapter(self, name: str | None):
+        """The loaded adapter `name` (None: the base model); ValueError naming an unknown one,
+        or LoRA not enabled."""
+        if name is None:
+            return None
+        if self.lora_registry is None:
+            raise ValueError(f"lora_path {name!r} given, but this engine serves no LoRA adapters "
+                             f"(start it with enable_lora or lora_paths)")
+        return self.lora_registry.get(name)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Loads the PEFT adapter at `lora_path` under `lora_name` while serving (SGLang's
+        name): into host memory now, into a device slot when a request first needs it; compiles
+        nothing. Raises ValueError naming the problem (the name taken, a bad file, a rank or
+        module the engine's pool lacks)."""
+        if self.lora_registry is None:
+            raise ValueError("load_lora_adapter needs an engine started with enable_lora")
+        self.lora_registry.load(lora_name, lora_path)
+        return {"success": True, "loaded_adapters": self.loaded_lora_adapters()}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Forgets adapter `lora_name`; refused (ValueError) while a request uses it."""
+        adapter = self.lora_adapter(lora_name)
+        users = [r for r in self.unfinished_requests() if r.lora is adapter]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_name!r} is in use by {len(users)} unfinished "
+                             f"requests")
+        self.lora_registry.unload(lora_name)
+        return {"success": True, "loaded_adapters": self.loaded_lora_adapters()}
+
+    def loaded_lora_adapters(self) -> dict[str, str]:
+        """{name: path} of every loaded adapter."""
+        registry = self.lora_registry
+        return {} if registry is None else {n: a.path for n, a in registry.adapters.items()}
 
     # ---- mixture of experts ----
 

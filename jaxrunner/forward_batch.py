@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
+from jaxrunner.lora.layers import LoraBatch
 from jaxrunner.sampler import SamplingBatch
 from jaxrunner.schedule_batch import ModelWorkerBatch
 
@@ -55,6 +56,9 @@ class ForwardBatch:
     logprob_target_ids: jax.Array
     # What a speculative mode needs besides (jaxrunner/speculative/spec_info.py); None else.
     spec_info: object = None
+    # A LoRA engine's adapter pool and each token's slot (jaxrunner/lora/layers.py: LoraBatch);
+    # None in an engine without LoRA, whose steps are then exactly what they were before.
+    lora: object = None
 
     # Filled by `prepare()` inside the step.
     positions: jax.Array | None = None         # i32[T]: position of each token in its sequence
@@ -76,21 +80,24 @@ class ForwardBatch:
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, prev_tokens: jax.Array, input_embeds: jax.Array,
-                 sharding=None) -> tuple["ForwardBatch", SamplingBatch]:
+                 sharding=None, lora_weights=None) -> tuple["ForwardBatch", SamplingBatch]:
         """Moves `batch` to the device in one transfer; returns the forward batch and the
         sampling arrays.
 
         `prev_tokens` (i32[N] on the device) are the previous step's sampled tokens, which
         `batch.input_token_src` may point into (overlapped scheduling); without a previous step,
         the runner's zeros of the same shape. `input_embeds` ([C, D] on the device) holds the
-        batch's override rows (`ModelRunner.input_embeds_for`).
+        batch's override rows (`ModelRunner.input_embeds_for`). `lora_weights`: a LoRA engine's
+        device pool (`jaxrunner/lora/pool.py`), read with the batch's per-token slots.
         """
+        lora_slots = batch.lora_slots if lora_weights is not None else None
         (input_ids, input_token_src, out_cache_loc, seq_lens, extend_seq_lens,
          extend_prefix_lens, page_table, input_embeds_src, logprob_target_ids,
-         sampling) = jax.device_put(
+         sampling, lora_slots) = jax.device_put(
             (batch.input_ids, batch.input_token_src, batch.out_cache_loc, batch.seq_lens,
              batch.extend_seq_lens, batch.extend_prefix_lens, batch.page_table,
-             batch.input_embeds_src, batch.logprob_target_ids, batch.sampling), sharding)
+             batch.input_embeds_src, batch.logprob_target_ids, batch.sampling, lora_slots),
+            sharding)
         forward_batch = cls(
             forward_mode=batch.forward_mode, capture_hidden_mode=batch.capture_hidden_mode,
             batch_size=batch.bucket.num_reqs, input_ids=input_ids,
@@ -98,7 +105,8 @@ class ForwardBatch:
             out_cache_loc=out_cache_loc, seq_lens=seq_lens, extend_seq_lens=extend_seq_lens,
             extend_prefix_lens=extend_prefix_lens, page_table=page_table,
             input_embeds_src=input_embeds_src, input_embeds=input_embeds,
-            logprob_target_ids=logprob_target_ids)
+            logprob_target_ids=logprob_target_ids,
+            lora=None if lora_weights is None else LoraBatch(lora_weights, lora_slots))
         return forward_batch, sampling
 
     def embed_inputs(self, embed_tokens) -> jax.Array:

@@ -42,6 +42,7 @@ from jaxrunner.expert_location import ExpertLocation, ExpertMover
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.kv_cache import TokenToKVPool, available_kv_memory, kv_bytes_per_token
+from jaxrunner.lora.pool import LoraPool, resolve_lora_args
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_weights import ModelWeights
 from jaxrunner.parallel import (DATA_AXIS, TENSOR_AXIS, Parallelism, check_ep_size,
@@ -77,7 +78,7 @@ _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", 
                          "expert_distribution_recorder_buffer_size",
                          "expert_distribution_recorder_dir",
                          "constrained_json_whitespace_pattern",
-                         "constrained_json_disable_any_whitespace",
+                         "constrained_json_disable_any_whitespace", "lora_paths",
                          # The layer ranges are array data of one program per prefill bucket.
                          "enable_split_prefill", "split_prefill_layers")
 
@@ -175,6 +176,7 @@ def _input_logprobs(model, hidden, targets):
 
 class ModelRunner:
     lowering_target: "lowering.Target | None" = None  # set by lower_only (subclasses: never)
+    lora_pool: LoraPool | None = None  # LoRA adapter slots (init_lora_pool; subclasses: never)
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig,
                  compile_monitor: CompileMonitor | None = None, *, abstract: bool = False,
@@ -210,10 +212,11 @@ class ModelRunner:
         self.context_len = args.context_length or model_config.max_position_embeddings
         self.released_tags: set[str] = set()  # memory freed by release_memory_occupation
         self.attention_backend_name = resolve_backend_name(args.attention_backend, self.platform)
-        self.args = self._with_platform_defaults(args)
+        self.args = resolve_lora_args(self._with_platform_defaults(args), model_config)
         self.dllm = DllmPlan.create(self.args, model_config)
         self.load_model()
         self.configure_kv_cache_dtype()
+        self.init_lora_pool()
         self.init_memory_pool()
         self.init_attention_backend()
         self.buckets = self.plan_buckets()
@@ -338,6 +341,8 @@ class ModelRunner:
                              f"is no device memory to size the KV cache from")
         else:
             budget = available_kv_memory(self.device, self.weights_bytes, args.mem_fraction_static)
+            if self.lora_pool is not None:  # the adapter slots are taken before the KV cache
+                budget -= self.lora_pool.device_bytes
             # The request slots' sampling state (jaxrunner/penalties.py) comes out of it first.
             budget -= self.parallel.dp_size * slot_state_bytes(args.max_running_requests + 1,
                                                                cfg.vocab_size)
@@ -397,6 +402,14 @@ class ModelRunner:
                                                      mesh=self.parallel.mesh,
                                                      platform=self.platform)
 
+    def init_lora_pool(self) -> None:
+        """The device slots of LoRA adapters (jaxrunner/lora/pool.py); None without LoRA."""
+        if not self.args.enable_lora:
+            self.lora_pool = None
+            return
+        self.lora_pool = LoraPool(self.args, self.sharded_config, self.model_config, self.dtype,
+                                  self.parallel.mesh, abstract=self.abstract)
+
     def precompile(self) -> None:
         """Compiles every bucket's step and sampler ahead of time (SGLang: CUDA-graph capture),
         several at once: XLA compiles outside the GIL, and the programs are independent. With a
@@ -420,6 +433,8 @@ class ModelRunner:
         jobs += [partial(self._compile_sampler, size) for size in sizes]
         if sizes:  # a runner that samples keeps the request slots' sampling state
             jobs.append(self._compile_slot_init)
+        if self.lora_pool is not None:
+            jobs.append(partial(self.lora_pool.compile, self._compiled))
         progress = tqdm(total=len(jobs), desc="compiling buckets",
                         disable=not self.args.show_progress)
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
@@ -658,7 +673,8 @@ class ModelRunner:
             out_cache_loc=i32(T), seq_lens=i32(R), extend_seq_lens=i32(R),
             extend_prefix_lens=i32(R), page_table=i32(R, P), input_embeds_src=i32(T),
             input_embeds=jax.ShapeDtypeStruct(self.input_embeds_shape, self.dtype),
-            logprob_target_ids=i32(T), spec_info=self.spec_info_spec(bucket))
+            logprob_target_ids=i32(T), spec_info=self.spec_info_spec(bucket),
+            lora=None if self.lora_pool is None else self.lora_pool.batch_spec(T))
 
     def spec_info_spec(self, bucket: Bucket):
         """The abstract `ForwardBatch.spec_info` of a bucket (None outside speculative and DLLM

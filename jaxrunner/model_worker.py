@@ -30,6 +30,8 @@ from jaxrunner.eplb import EPLBManager
 from jaxrunner.expert_distribution import ExpertDistributionRecorder
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
+from jaxrunner.lora.adapter import parse_lora_paths
+from jaxrunner.lora.registry import LoraRegistry
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_runner import LogitsOutput, ModelRunner
 from jaxrunner.sampling_step import SamplerOutput
@@ -96,6 +98,15 @@ class ModelWorker:
         self.expert_recorder = self.eplb_manager = None
         self.split_prefill_ranges = runner.args.split_prefill_ranges(
             runner.model_config.num_hidden_layers)
+        # LoRA: the adapters and the slots they occupy (the scheduler pins and swaps them).
+        self.lora_registry = None
+        if runner.lora_pool is not None:
+            args = runner.args
+            self.lora_registry = LoraRegistry(
+                model_config, args.max_loras_per_batch, args.max_lora_rank,
+                runner.lora_pool.modules, runner.lora_pool.write)
+            for name, path in parse_lora_paths(args.lora_paths):
+                self.lora_registry.load(name, path)
         if runner.sharded_config.is_moe:
             args = runner.args
             self.expert_recorder = ExpertDistributionRecorder(
@@ -158,8 +169,10 @@ class ModelWorker:
             raise ValueError("a runner with dp_size > 1 runs batches through "
                              "DataParallelWorker.forward_batch_generation")
         prev_tokens = runner.no_prev_tokens if prev is None else prev.next_token_ids
+        lora = runner.lora_pool.arrays if runner.lora_pool is not None else None
         forward_batch, sampling = ForwardBatch.init_new(batch, prev_tokens,
-                                                        runner.input_embeds_for(batch))
+                                                        runner.input_embeds_for(batch),
+                                                        lora_weights=lora)
         return self.forward(forward_batch, sampling, batch.num_reqs, batch.num_tokens,
                             batch.slot_entries, vocab_mask_fn)
 

@@ -64,10 +64,11 @@ class RequestFactory:
     def make(self, input_ids, sampling_params: dict | SamplingParams | None = None, *,
              return_logprob: bool = False, priority: int = 0, top_logprobs_num: int = 0,
              logprob_start_len: int = -1, strict_budget: bool = False,
-             embed_override=None) -> Req:
+             embed_override=None, lora=None) -> Req:
         """One validated request. `strict_budget`: a prompt + max_new_tokens past the context
         is an error (the server's rule, as OpenAI's); otherwise max_new_tokens is capped.
-        `embed_override`: given embeddings of some prompt positions (`input_embeds.py`)."""
+        `embed_override`: given embeddings of some prompt positions (`input_embeds.py`).
+        `lora`: the LoRA adapter to run with (`lora.registry.LoraRegistry.get`), or None."""
         ids = self.check_prompt(input_ids)
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
@@ -101,7 +102,7 @@ class RequestFactory:
                   max_new_tokens=min(params.max_new_tokens, room),
                   eos_token_ids=self.eos_token_ids, return_logprob=bool(return_logprob),
                   priority=int(priority), grammar=grammar, top_logprobs_num=top,
-                  logprob_start_len=start, embed_override=embed_override)
+                  logprob_start_len=start, embed_override=embed_override, lora=lora)
         if self.check is not None:
             self.check(req)
         return req

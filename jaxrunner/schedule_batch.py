@@ -18,6 +18,10 @@ from jaxrunner.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
 from jaxrunner.sampling_batch import ALWAYS, SamplingBatch, SlotEntry
 from jaxrunner.sampling_params import SamplingParams
 
+# Token ids under a LoRA adapter are keyed in the prefix cache as id + (adapter uid << this):
+# above any vocabulary, so different adapters' keys never compare equal.
+LORA_KEY_SHIFT = 40
+
 
 @dataclass(eq=False)
 class Req:
@@ -70,11 +74,24 @@ class Req:
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_logprobs_done: bool = False
+    # The LoRA adapter the request runs with (jaxrunner/lora/adapter.py: LoraAdapter; None: the
+    # base model), and its device slot while the request is admitted (-1 otherwise).
+    lora: object = None
+    lora_slot: int = -1
 
     @property
     def fill_ids(self) -> list[int]:
         """Prompt and known output tokens (not the pending one)."""
         return self.origin_input_ids + self.output_ids
+
+    def cache_key(self, token_ids: list[int]) -> list[int]:
+        """`token_ids` as the prefix cache keys them: under an adapter, moved into that
+        adapter load's own id range, so the same text under two adapters (or the base) never
+        shares KV."""
+        if self.lora is None:
+            return token_ids
+        offset = self.lora.uid << LORA_KEY_SHIFT
+        return [t + offset for t in token_ids]
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Known tokens `start:end` of prompt + output, without concatenating the sequence."""
@@ -159,8 +176,12 @@ class ModelWorkerBatch:
     # i32[T]: row of `input_embeds` that replaces the token's embedding, or -1 (None: all -1).
     input_embeds_src: np.ndarray | None = None
     input_embeds: np.ndarray | None = None  # [rows, D]: the step's given embeddings, or None
+    # i32[T]: each token's LoRA adapter slot (jaxrunner/lora/); -1: the base model (None: all -1).
+    lora_slots: np.ndarray | None = None
 
     def __post_init__(self):
+        if self.lora_slots is None:
+            self.lora_slots = np.full(self.bucket.num_tokens, -1, np.int32)
         if self.input_embeds_src is None:
             self.input_embeds_src = np.full(self.bucket.num_tokens, -1, np.int32)
         if self.logprob_target_ids is None:
@@ -246,6 +267,7 @@ class ScheduleBatch:
         # step's block is filled by its scheduler (jaxrunner/dllm/scheduler.py).
         verify = self.forward_mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DLLM_EXTEND)
         input_embeds_src = np.full(T, -1, np.int32)
+        lora_slots = np.full(T, -1, np.int32)
         given_embeds = []
         logprob_target_ids = np.full(T, -1, np.int32)
         slot_entries, sampled = [], []
@@ -287,6 +309,7 @@ class ScheduleBatch:
                 # The request is new to this slot (admitted, or resumed after a retraction).
                 slot_entries.append(req.slot_entry())
                 req.sampling_slot = slot
+            lora_slots[start:start + n] = req.lora_slot
             sampled.append(prefix + n == req.seq_len)
             start += n
 
@@ -304,4 +327,5 @@ class ScheduleBatch:
             page_table=page_table, sampling=sampling, req_pool_indices=req_pool_indices,
             next_token_ids=next_token_ids, input_embeds_src=input_embeds_src,
             input_embeds=np.concatenate(given_embeds) if given_embeds else None,
-            logprob_target_ids=logprob_target_ids, slot_entries=slot_entries)
+            logprob_target_ids=logprob_target_ids, slot_entries=slot_entries,
+            lora_slots=lora_slots)

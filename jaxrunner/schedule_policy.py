@@ -26,7 +26,8 @@ def order_waiting(waiting: list[Req], policy: str, tree: RadixCache) -> list[Req
     """Highest priority first; within a priority FCFS, or longest cached prefix first (lpm)."""
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE and not tree.disable:
         matched = {req.rid: tree.match_prefix(
-            req.fill_ids, max_tokens=req.cacheable(req.seq_len - 1)).num_tokens for req in waiting}
+            req.cache_key(req.fill_ids), max_tokens=req.cacheable(req.seq_len - 1)).num_tokens
+            for req in waiting}
         return sorted(waiting, key=lambda r: (-r.priority, -matched[r.rid], r.rid))
     return sorted(waiting, key=lambda r: (-r.priority, r.rid))
 

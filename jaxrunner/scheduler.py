@@ -77,6 +77,8 @@ class Scheduler:
         self.spec_window = getattr(worker, "speculative_window", None)
         self.overlap = not args.disable_overlap_schedule if overlap is None else overlap
         self.overlap = self.overlap and self.spec_window is None
+        # A LoRA engine's adapters and device slots (jaxrunner/lora/registry.py), else None.
+        self.lora = getattr(worker, "lora_registry", None)
         self.waiting: list[Req] = []
         self.running: list[Req] = []       # prefilled, decoding
         self.chunked_req: Req | None = None  # admitted, its prompt partly computed
@@ -243,7 +245,7 @@ class Scheduler:
             limit = req.cacheable(req.seq_len - 1)
             if req.wants_input_logprobs:
                 limit = min(limit, max(req.logprob_start_len - 1, 0))
-            match = self.tree_cache.match_prefix(req.fill_ids, max_tokens=limit)
+            match = self.tree_cache.match_prefix(req.cache_key(req.fill_ids), max_tokens=limit)
             remaining = req.seq_len - match.num_tokens
             # A prompt longer than what is left of the budget is chunked to fill it (as SGLang
             # does): the step then runs in its bucket without padding tokens.
@@ -257,6 +259,11 @@ class Scheduler:
             if not budget.fits(n, pages):
                 self.tree_cache.dec_lock_ref(match.node)
                 break  # the head of the queue waits rather than being overtaken
+            if not self._acquire_lora(req):
+                # Every adapter slot is pinned by other adapters' requests: this one waits for
+                # a slot; requests of resident adapters (and the base) may go ahead.
+                self.tree_cache.dec_lock_ref(match.node)
+                continue
             budget.take(n, pages)
             self._take_prefix(req, match)
             self.waiting.remove(req)
@@ -273,7 +280,18 @@ class Scheduler:
         would be cached); else None."""
         if self.tree_cache.disable or len(req.origin_input_ids) <= self.page_size:
             return None
-        return tuple(req.origin_input_ids)
+        return tuple(req.cache_key(req.origin_input_ids))
+
+    def _acquire_lora(self, req: Req) -> bool:
+        """Pins a device slot holding the request's adapter (copying it in if it is not
+        resident); False when no slot can be had now. Base-model requests need none."""
+        if req.lora is None:
+            return True
+        slot = self.lora.acquire(req.lora)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
 
     def _take_prefix(self, req: Req, match) -> None:
         """Gives `req` a slot whose first pages are the matched (and locked) prefix."""
@@ -383,7 +401,7 @@ class Scheduler:
         if self.tree_cache.disable:
             return
         pool, ps = self.req_to_token_pool, self.page_size
-        known = req.fill_ids
+        known = req.cache_key(req.fill_ids)
         whole = req.cacheable(min(req.num_computed_tokens, len(known))) // ps
         if whole <= req.num_tree_pages:
             return
@@ -404,7 +422,7 @@ class Scheduler:
             return
         pool, ps = self.req_to_token_pool, self.page_size
         pages = pool.pages(req.req_pool_idx).tolist()
-        known = req.fill_ids
+        known = req.cache_key(req.fill_ids)
         whole = req.cacheable(min(req.num_computed_tokens, len(known))) // ps
         if self.tree_cache.disable:
             self.allocator.free(pages)
@@ -416,6 +434,9 @@ class Scheduler:
         if req.prefix_node is not None:
             self.tree_cache.dec_lock_ref(req.prefix_node)
         pool.free_slot(req.req_pool_idx)
+        if req.lora_slot >= 0:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
         req.req_pool_idx = req.prefix_node = req.sampling_slot = None
         req.num_tree_pages = req.num_computed_tokens = 0
 

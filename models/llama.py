@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxrunner.attention import AttentionBackend
 from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.lora.layers import NO_LORA, LoraLayer
 from models.config import LayerRun, ModelConfig
 from models.moe import SparseMoeBlock
 from models.moe_parallel import MoeRunner
@@ -71,16 +72,17 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x, cos, sin, kv_cache, layer, fb: ForwardBatch, backend: AttentionBackend,
-                 meta):
+                 meta, lora: LoraLayer = NO_LORA):
         T = x.shape[0]
-        q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        q = lora.apply("q_proj", x, self.q_proj(x)).reshape(T, self.num_heads, self.head_dim)
+        k = lora.apply("k_proj", x, self.k_proj(x)).reshape(T, self.num_kv_heads, self.head_dim)
+        v = lora.apply("v_proj", x, self.v_proj(x)).reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_cos_sin(q, cos, sin), apply_rope_cos_sin(k, cos, sin)
         out, kv_cache = backend.forward(q, k, v, kv_cache, layer, fb, meta)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), kv_cache
+        out = out.reshape(T, self.num_heads * self.head_dim)
+        return lora.apply("o_proj", out, self.o_proj(out)), kv_cache
 
 
 class MLP(nnx.Module):
@@ -90,8 +92,10 @@ class MLP(nnx.Module):
         self.up_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(F, D, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, lora: LoraLayer = NO_LORA):
+        h = (jax.nn.silu(lora.apply("gate_proj", x, self.gate_proj(x)))
+             * lora.apply("up_proj", x, self.up_proj(x)))
+        return lora.apply("down_proj", h, self.down_proj(h))
 
 
 class DecoderLayer(nnx.Module):
@@ -101,16 +105,18 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = SparseMoeBlock(cfg, dtype, rngs) if moe else MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, layer, fb, backend, meta, valid, moe_runner):
-        """-> (x, kv_cache, i32[P] routed choices per expert slot; None for a dense layer)."""
+    def __call__(self, x, cos, sin, kv_cache, layer, fb, backend, meta, valid, moe_runner,
+                 lora: LoraLayer = NO_LORA):
+        """-> (x, kv_cache, i32[P] routed choices per expert slot; None for a dense layer).
+        `lora`: this layer's adapters (a MoE layer's experts take none)."""
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, fb,
-                                     backend, meta)
+                                     backend, meta, lora)
         x = x + h
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, SparseMoeBlock):
             h, counts = self.mlp(h, valid, moe_runner)
             return x + h, kv_cache, counts
-        return x + self.mlp(h), kv_cache, None
+        return x + self.mlp(h, lora), kv_cache, None
 
 
 class LlamaModel(nnx.Module):
@@ -169,12 +175,17 @@ class LlamaForCausalLM(nnx.Module):
         wanted = jnp.asarray(aux_layers, jnp.int32)
         aux = jnp.zeros((len(aux_layers),) + x.shape, x.dtype) if aux_layers else None
         counts = []
+        # LoRA (jaxrunner/lora/layers.py): the pool's [L, S, ...] rows ride the scan with the
+        # weights; without it the loop data hold nothing more and the program is unchanged.
+        onehot = fb.lora.onehot(x.dtype) if fb.lora is not None else None
+        active = fb.lora.any_adapter if fb.lora is not None else None
         for run, layers in zip(self.config.layer_runs, self.model.layers):
             graphdef, layers_state = nnx.split(layers)
+            run_lora = fb.lora.layers(run.start, run.num_layers) if fb.lora is not None else {}
 
             def body(carry, layer_inputs, graphdef=graphdef):
                 x, flat_cache, aux = carry
-                state, index = layer_inputs
+                state, index, lora_weights = layer_inputs
                 if aux_layers:
                     # Written only at the layers asked for (the rows naming this layer).
                     hit = wanted == index
@@ -183,11 +194,13 @@ class LlamaForCausalLM(nnx.Module):
                                        lambda a: a, aux)
                 layer = nnx.merge(graphdef, state)
                 x, flat_cache, layer_counts = layer(x, cos, sin, flat_cache, index, fb, backend,
-                                                    meta, valid, moe_runner)
+                                                    meta, valid, moe_runner,
+                                                    LoraLayer(lora_weights, onehot, active))
                 return (x, flat_cache, aux), layer_counts
 
             index = run.start + jnp.arange(run.num_layers, dtype=jnp.int32)
-            (x, flat, aux), run_counts = jax.lax.scan(body, (x, flat, aux), (layers_state, index))
+            (x, flat, aux), run_counts = jax.lax.scan(body, (x, flat, aux),
+                                                      (layers_state, index, run_lora))
             if run.moe:
                 counts.append(run_counts)
         num_slots = self.config.num_physical_experts

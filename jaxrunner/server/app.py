@@ -109,14 +109,20 @@ def build_app(engine, served_model_name: str | None = None, *, api_key: str | No
                 "owned_by": "jaxrunner", "root": engine.args.model_path,
                 "max_model_len": state.context_len}
 
+    def adapter_card(name: str) -> dict:
+        # SGLang's: a LoRA adapter is a model whose parent is the base.
+        return dict(model_card(), id=f"{state.served_model_name}:{name}",
+                    root=name, parent=state.served_model_name)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list",
+                "data": [model_card()] + [adapter_card(a) for a in state.lora_adapters()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        state.check_model(model_id)
-        return model_card()
+        adapter = state.check_model(model_id)
+        return model_card() if adapter is None else adapter_card(adapter)
 
     @app.get("/health")
     async def health():

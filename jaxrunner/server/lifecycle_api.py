@@ -8,6 +8,8 @@
 | POST /update_weights_from_tensor | `{"serialized_named_tensors", "flush_cache", "abort_all_requests", "weight_version"}` | the same |
 | GET or POST /get_weights_by_name | `{"name", "truncate_size"}` | the tensor's first rows, nested lists |
 | GET or POST /flush_cache | none | 200, or 400 while requests run |
+| POST /load_lora_adapter | `{"lora_name", "lora_path"}` (a PEFT adapter directory) | `{"success", "error_message", "loaded_adapters"}`, 400 on failure |
+| POST /unload_lora_adapter | `{"lora_name"}` | the same |
 
 `serialized_named_tensors` is the base64 of a safetensors file (a string, or a list of them
 applied together) holding tensors under their Hugging Face names in the checkpoint's layout:
@@ -16,8 +18,9 @@ from Python, `base64.b64encode(safetensors.numpy.save({name: array}))` (or
 the same GPU can open; safetensors needs nothing but bytes. For whole models, prefer
 `update_weights_from_disk`: a JSON body carries every byte as base64.
 
-Each call runs on the engine thread once the requests in the engine have finished (or were
-aborted: `abort_all_requests`); requests arriving meanwhile wait for it
+LoRA adapters load and unload between two steps, while requests run (an adapter in use is not
+unloaded: 400). Every other call runs on the engine thread once the requests in the engine have
+finished (or were aborted: `abort_all_requests`); requests arriving meanwhile wait for it
 (jaxrunner/server/engine_loop.py). While memory is released, `/generate` and the OpenAI routes
 answer 503.
 """
@@ -31,7 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from jaxrunner.server.protocol import (APIError, GetWeightsByNameRequest,
-                                       MemoryOccupationRequest, UpdateWeightsFromDiskRequest,
+                                       LoadLoraAdapterRequest, MemoryOccupationRequest,
+                                       UnloadLoraAdapterRequest, UpdateWeightsFromDiskRequest,
                                        UpdateWeightsFromTensorRequest)
 from jaxrunner.server.state import ServerState
 
@@ -89,6 +93,29 @@ def add_routes(app, state: ServerState, parse) -> None:
         values = await call(lambda engine: engine.get_weights_by_name(body.name,
                                                                       body.truncate_size))
         return JSONResponse(values.astype(float).tolist())
+
+    async def lora_call(fn) -> JSONResponse:
+        """Runs `fn(engine)` between two steps; SGLang's answer, 400 naming a failure."""
+        def run(engine):
+            try:
+                return dict(fn(engine), error_message="")
+            except ValueError as e:
+                return {"success": False, "error_message": str(e),
+                        "loaded_adapters": engine.loaded_lora_adapters()}
+
+        answer = await loop.call(run, when_idle=False)
+        return JSONResponse(answer, status_code=200 if answer["success"] else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await parse(request, LoadLoraAdapterRequest)
+        return await lora_call(lambda engine: engine.load_lora_adapter(body.lora_name,
+                                                                       body.lora_path))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await parse(request, UnloadLoraAdapterRequest)
+        return await lora_call(lambda engine: engine.unload_lora_adapter(body.lora_name))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request):

@@ -1,7 +1,7 @@
 """SGLang's native `/generate`: `text`, `input_ids` or `input_embeds` (a prompt as embeddings,
 [tokens, hidden_size] floats), engine `sampling_params` as they are (with `n`,
 `json_schema`/`regex`/`ebnf`, penalties), `return_logprob` with `top_logprobs_num` and
-`logprob_start_len`, `stream`.
+`logprob_start_len`, `stream`, `lora_path` (a LoRA adapter's name, per request or for all).
 
 The answer is SGLang's: `{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
 "completion_tokens", "cached_tokens", "finish_reason", ["output_token_logprobs",
@@ -47,9 +47,10 @@ async def generate(state: ServerState, request: Request, body: GenerateRequest):
     logprob_flags = _per_request(body.return_logprob, n, "return_logprob", False)
     tops = _per_request(body.top_logprobs_num, n, "top_logprobs_num", 0)
     starts = _per_request(body.logprob_start_len, n, "logprob_start_len", -1)
+    loras = _per_request(body.lora_path, n, "lora_path", None)
     specs = []
-    for i, (ids, p, lp, top, start) in enumerate(zip(prompts, params, logprob_flags, tops,
-                                                     starts)):
+    for i, (ids, p, lp, top, start, lora) in enumerate(zip(prompts, params, logprob_flags, tops,
+                                                           starts, loras)):
         if not isinstance(p, dict):
             raise APIError("sampling_params must be an object", 400, "sampling_params")
         # `n` samples of the prompt: engine requests of their own, seeds seed + j.
@@ -57,6 +58,8 @@ async def generate(state: ServerState, request: Request, body: GenerateRequest):
         if not isinstance(samples, int) or isinstance(samples, bool) or not 1 <= samples <= 64:
             raise APIError(f"n={samples!r} must be an int in [1, 64]", 400, "n")
         options = ({"top_logprobs_num": top, "logprob_start_len": start} if lp else {})
+        if lora is not None:
+            options["lora_path"] = lora
         if not lp and (top or start != -1):
             raise APIError("top_logprobs_num and logprob_start_len need return_logprob", 400,
                            "return_logprob")

@@ -42,6 +42,11 @@ class Job:
         params = body.sampling_params(budget)
         params.update(extra or {})
         options = {"strict_budget": strict}
+        lora = state.check_model(body.model)
+        if lora is not None:
+            options["lora_path"] = lora
+        # Answers name the model asked for (an adapter's "base:adapter" too).
+        self.model = body.model if lora is not None else state.served_model_name
         if return_logprob:
             options.update(top_logprobs_num=top_logprobs,
                            logprob_start_len=0 if echo_logprobs else -1)
@@ -80,8 +85,7 @@ class Job:
         return usage
 
     def header(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created,
-                "model": self.state.served_model_name}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def stream_usage(self, completion_tokens: int, cached=None) -> dict | None:
         """The usage a chunk carries with `stream_options.continuous_usage_stats`, else None."""

@@ -280,9 +280,22 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    # The LoRA adapter (its name) each request runs with; None: the base model.
+    lora_path: str | list[str | None] | None = None
 
 
 # ---- the lifecycle endpoints (jaxrunner/server/lifecycle_api.py), SGLang's bodies ----
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = _STRICT
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = _STRICT
+    lora_name: str
 
 
 class MemoryOccupationRequest(BaseModel):

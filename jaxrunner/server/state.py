@@ -37,10 +37,24 @@ class ServerState:
     def context_len(self) -> int:
         return self.engine.context_len
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(f"The model `{model}` does not exist; this server serves "
-                           f"`{self.served_model_name}`.", 404, "model")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, as SGLang accepts it (`base:adapter`, or
+        the adapter's own name), or None for the base model; 404 for any other model."""
+        if model is None or model == self.served_model_name:
+            return None
+        prefix = self.served_model_name + ":"
+        adapter = model[len(prefix):] if model.startswith(prefix) else model
+        if adapter in self.lora_adapters():
+            return adapter
+        served = [self.served_model_name] + [f"{self.served_model_name}:{a}"
+                                             for a in self.lora_adapters()]
+        raise APIError(f"The model `{model}` does not exist; this server serves "
+                       f"{', '.join(f'`{m}`' for m in served)}.", 404, "model")
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the LoRA adapters loaded now (they change while serving)."""
+        registry = self.engine.lora_registry
+        return [] if registry is None else list(registry.adapters)
 
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:

@@ -5,7 +5,8 @@ subprocess because the device count must be fixed before jax is imported.
                                       "prompts": [[...]], "max_new_tokens": 8, ...}'
 
 Prints one JSON line: {"results": [{"tp_size": 2, "output_ids": [[...]], "compiles_after_warmup":
-0, ...}, ...]}. The keys of each run are `EngineArgs` fields laid over `engine_kwargs`.
+0, ...}, ...]}. The keys of each run are `EngineArgs` fields laid over `engine_kwargs`; a
+"lora_path" list names each prompt's LoRA adapter.
 """
 
 import json
@@ -55,7 +56,8 @@ def main(spec: dict) -> dict:
                     + engine.generate(input_ids=prompts[1:], sampling_params=params))
             extra = dp_report(engine)
         else:
-            outs = engine.generate(input_ids=spec["prompts"], sampling_params=params)
+            outs = engine.generate(input_ids=spec["prompts"], sampling_params=params,
+                                   lora_path=spec.get("lora_path"))
         results.append(dict(run, output_ids=[o["output_ids"] for o in outs],
                             compiles_after_warmup=engine.compile_monitor.count - warm,
                             num_devices=engine.runner.parallel.num_devices,
