@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models.quantization import QuantConfig, from_hf_config
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -150,6 +152,9 @@ class ModelConfig:
     # Expert slots the model holds: num_experts plus redundant copies for load balancing (EPLB);
     # set by the engine (models/sharding.py), never by config.json.
     num_physical_experts: int = 0
+    # Quantized decoder projections (models/quantization.py): the checkpoint's
+    # `quantization_config`, or the engine's `quantization` argument (set by the engine).
+    quantization: QuantConfig | None = None
 
     def resolve_dtype(self, name: str) -> str:
         """The weights dtype an engine `dtype` argument names: "auto" is the checkpoint's
@@ -272,6 +277,7 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),  # merge, keep order, drop duplicates
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=str(dtype).removeprefix("torch."),
+            quantization=from_hf_config(d.get("quantization_config")),
         )
 
 

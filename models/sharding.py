@@ -42,7 +42,7 @@ PARTITION_RULES: list[tuple[str, P]] = [
     (r"embed_tokens\.embedding$", P(T, None)),
     (r"lm_head\.kernel$", P(None, T)),
 ]
-_KV_PROJ = re.compile(r"self_attn\.(k|v)_proj\.(kernel|bias)$")
+_KV_PROJ = re.compile(r"self_attn\.(k|v)_proj\.(kernel|bias|weight_scale)$")
 
 
 def path_name(path: tuple) -> str:
@@ -55,6 +55,8 @@ _EXPERTS = re.compile(r"mlp\.experts\.(gate|up|down)_proj$")
 
 def partition_spec(path: tuple, expert_axes: tuple[str, ...] = ()) -> P:
     """The parameter's PartitionSpec; `expert_axes` (expert parallelism) split expert slots."""
+    if path[-1] == "weight_scale":  # a quantized linear's scales shard with its kernel
+        return partition_spec(path[:-1] + ("kernel",), expert_axes)
     name = path_name(path)
     if expert_axes and _EXPERTS.search(name):
         return P(None, expert_axes, None, None)
