@@ -588,19 +588,16 @@ ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
     return ffi::Error::InvalidArgument("ragged_paged_attention: an fp8 cache needs f32 q");
   if (!fp8 && q.element_type() != kv.element_type())
     return ffi::Error::InvalidArgument("ragged_paged_attention: q and kv_cache dtypes differ");
+  // The kernel for the cache's element type (a value of it names the type).
+  auto with = [&](auto element) {
+    return run<decltype(element)>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out,
+                                  sm_scale, soft_cap, sliding_window);
+  };
   switch (kv.element_type()) {
-    case ffi::F8E4M3FN:
-      return run<F8E4M3>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out, sm_scale,
-                         soft_cap, sliding_window);
-    case ffi::F8E5M2:
-      return run<F8E5M2>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out, sm_scale,
-                         soft_cap, sliding_window);
-    case ffi::F32:
-      return run<float>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out, sm_scale,
-                        soft_cap, sliding_window);
-    case ffi::BF16:
-      return run<BF16>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, out, sm_scale,
-                       soft_cap, sliding_window);
+    case ffi::F8E4M3FN: return with(F8E4M3{});
+    case ffi::F8E5M2: return with(F8E5M2{});
+    case ffi::F32: return with(float{});
+    case ffi::BF16: return with(BF16{});
     default:
       return ffi::Error::InvalidArgument(
           "ragged_paged_attention: kv_cache dtype must be f32, bf16, f8e4m3fn or f8e5m2");

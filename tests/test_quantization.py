@@ -6,6 +6,7 @@ compiles after warm-up, and the errors for bad input."""
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -265,3 +266,33 @@ def test_conflicting_quantization_named(fp8_checkpoints):
 def test_moe_quantization_refused(checkpoint):
     with pytest.raises(ValueError, match="not implemented for MoE models"):
         Engine(model_path=str(checkpoint("tiny-qwen3-moe")), quantization="int8")
+
+
+# ---- what XLA makes of the quantized matmuls on this platform ----
+
+def _weight_converts(method: str) -> list[str]:
+    """The optimised HLO's converts of the [in, out] weight operand in `quantized_matmul`."""
+    quant = QuantConfig(method)
+    d_in, d_out = 256, 384
+    x = jax.ShapeDtypeStruct((8, d_in), jnp.bfloat16)
+    kernel = jax.ShapeDtypeStruct((d_in, d_out), quant.weight_dtype)
+    scale = jax.ShapeDtypeStruct((1, d_out), jnp.float32)
+    hlo = jax.jit(lambda x, k, s: quantized_matmul(x, k, s, quant)).lower(
+        x, kernel, scale).compile().as_text()
+    return [line for line in hlo.splitlines()
+            if " convert(" in line and f"[{d_in},{d_out}]" in line]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="what XLA:CPU does")
+def test_w8a8_int8_dot_never_converts_the_weight_on_cpu():
+    """int8 x int8 -> int32 is a native dot on XLA:CPU: no float copy of the weight. Weight-only
+    int8 is converted to float32 there (one layer's matrix at a time, inside the layer scan),
+    which is why w8a8_int8 exists; TPU and GPU fuse that convert into the dot."""
+    assert _weight_converts("w8a8_int8") == []
+    assert len(_weight_converts("int8")) == 1
+
+
+def test_quantization_refused_for_other_load_formats(checkpoint):
+    with pytest.raises(ValueError, match="load_format 'safetensors' only, not 'dummy'"):
+        Engine(model_path=str(checkpoint("tiny-llama")), quantization="int8",
+               load_format="dummy")
