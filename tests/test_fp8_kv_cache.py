@@ -76,8 +76,9 @@ def test_fp8_cache_greedy_tokens_agree_with_bfloat16(outputs):
     assert compiles == 0
     forced = np.mean(np.concatenate([g.argmax(-1) == w.argmax(-1)
                                      for g, w in zip(got_logits, want_logits)]))
-    # Measured here: FORCED of the 127 prompt positions; rounding K/V to 3 mantissa bits moves
-    # this random model's near ties.
+    # Measured here: 121 of the 127 prompt positions (0.953); rounding K/V to 3 mantissa bits
+    # moves this random model's near ties (free-running, the two prompts diverged after 4 and 1
+    # tokens).
     assert forced >= 0.9, f"greedy agreement at prompt positions {forced:.3f}"
     # Free-running, the first divergence changes every later position; the first tokens agree.
     assert [g[0] for g in got] == [w[0] for w in want]
