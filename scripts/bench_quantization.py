@@ -9,7 +9,9 @@ For each setting one engine (bfloat16 activations) reports:
 - KV tokens at the same `mem_fraction_static` of a fixed nominal memory (`--memory-gib`), so the
   settings compare whatever else runs on the machine;
 - prefill throughput (a batch of `--prompt-len` prompts, one new token each) and decode
-  throughput (`--batch-size` requests, `--output-len` greedy tokens; prefill time taken off);
+  throughput (`--batch-size` requests, `--output-len` greedy tokens; prefill time taken off).
+  Every engine is built first and the timings go round-robin over them, `--rounds` times (best
+  of each): on a shared CPU the load drifts, and this way it drifts under all settings alike;
 - quality against the unquantized bf16 engine: mean KL(bf16 || setting) of the next-token
   distributions and the greedy-token agreement at every position of a fixed prompt set (each
   position given the same prefix).
@@ -51,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--quality-prompts", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--memory-gib", type=float, default=16.0)
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--compilation-cache-dir", default=str(ROOT / ".jax_cache"))
@@ -65,34 +68,28 @@ def _timed_generate(engine, prompts, new_tokens):
     return time.perf_counter() - start
 
 
-def run_setting(name, args, model_path, prompts, quality_prompts):
+def start_engine(name, args, model_path):
     quantization, kv_dtype = SETTINGS[name]
-    engine = Engine(model_path=model_path, dtype="bfloat16", quantization=quantization,
-                    kv_cache_dtype=kv_dtype, max_running_requests=args.batch_size,
-                    max_prefill_tokens=args.batch_size * args.prompt_len,
-                    max_total_tokens=args.batch_size * (args.prompt_len + args.output_len + 16),
-                    compilation_cache_dir=args.compilation_cache_dir,
-                    # Repeated timing runs must prefill every time.
-                    disable_radix_cache=True,
-                    disallow_compile_after_warmup=True, show_progress=False)
-    try:
-        runner = engine.runner
-        per_token = runner.token_to_kv_pool.bytes // (
-            runner.token_to_kv_pool.shape[1] * runner.token_to_kv_pool.page_size)
-        budget = args.mem_fraction_static * args.memory_gib * 2**30 - runner.weights_bytes
-        logits, _ = _prefill_logits(engine, quality_prompts)
-        _timed_generate(engine, prompts, 2)  # warm the host paths
-        prefill = min(_timed_generate(engine, prompts, 1) for _ in range(3))
-        full = min(_timed_generate(engine, prompts, args.output_len) for _ in range(2))
-        return {
-            "setting": name, "quantization": quantization, "kv_cache_dtype": kv_dtype,
+    # Several engines live at once, so none may forbid the others' start-up compiles.
+    return Engine(model_path=model_path, dtype="bfloat16", quantization=quantization,
+                  kv_cache_dtype=kv_dtype, max_running_requests=args.batch_size,
+                  max_prefill_tokens=args.batch_size * args.prompt_len,
+                  max_total_tokens=args.batch_size * (args.prompt_len + args.output_len + 16),
+                  compilation_cache_dir=args.compilation_cache_dir,
+                  # Repeated timing runs must prefill every time.
+                  disable_radix_cache=True, show_progress=False)
+
+
+def describe(name, engine, args):
+    """Bytes and capacity of one setting."""
+    quantization, kv_dtype = SETTINGS[name]
+    runner = engine.runner
+    pool = runner.token_to_kv_pool
+    per_token = pool.bytes // (pool.shape[1] * pool.page_size)
+    budget = args.mem_fraction_static * args.memory_gib * 2**30 - runner.weights_bytes
+    return {"setting": name, "quantization": quantization, "kv_cache_dtype": kv_dtype,
             "weight_bytes": runner.weights_bytes, "kv_bytes_per_token": int(per_token),
-            "kv_tokens_at_fraction": int(budget // per_token),
-            "prefill_tok_s": len(prompts) * args.prompt_len / prefill,
-            "decode_tok_s": len(prompts) * (args.output_len - 1) / max(full - prefill, 1e-9),
-        }, logits
-    finally:
-        engine.shutdown()
+            "kv_tokens_at_fraction": int(budget // per_token)}
 
 
 def quality(logits, reference):
@@ -115,12 +112,30 @@ def main(argv=None):
     quality_prompts = [rng.integers(8, 1000, size=n).tolist()
                        for n in np.linspace(16, args.prompt_len, args.quality_prompts, dtype=int)]
     settings = ["bf16"] + [s for s in args.settings if s != "bf16"]
-    records, reference = [], None
-    for name in settings:
-        record, logits = run_setting(name, args, model_path, prompts, quality_prompts)
-        reference = logits if reference is None else reference
-        record["mean_kl"], record["greedy_agreement"] = quality(logits, reference)
-        records.append(record)
+    engines = {name: start_engine(name, args, model_path) for name in settings}
+    try:
+        records = [describe(name, engines[name], args) for name in settings]
+        reference = None
+        for record, name in zip(records, settings):
+            logits, _ = _prefill_logits(engines[name], quality_prompts)
+            engines[name].compile_monitor.allow()  # _prefill_logits forbids again when done
+            reference = logits if reference is None else reference
+            record["mean_kl"], record["greedy_agreement"] = quality(logits, reference)
+            _timed_generate(engines[name], prompts, 2)  # warm the host paths
+        prefill = {name: [] for name in settings}
+        full = {name: [] for name in settings}
+        for _ in range(args.rounds):
+            for name in settings:
+                prefill[name].append(_timed_generate(engines[name], prompts, 1))
+                full[name].append(_timed_generate(engines[name], prompts, args.output_len))
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    for record, name in zip(records, settings):
+        best_prefill, best_full = min(prefill[name]), min(full[name])
+        record["prefill_tok_s"] = len(prompts) * args.prompt_len / best_prefill
+        record["decode_tok_s"] = len(prompts) * (args.output_len - 1) / max(
+            best_full - best_prefill, 1e-9)
     base = records[0]
     for r in records:
         r["weight_bytes_vs_bf16"] = r["weight_bytes"] / base["weight_bytes"]
