@@ -75,6 +75,13 @@ def sharded_model_config(cfg: ModelConfig, tp_size: int,
     """
     check_tp_size(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size)
     kv = effective_kv_heads(cfg.num_key_value_heads, tp_size)
+    quant = cfg.quantization
+    if (kv > cfg.num_key_value_heads and quant is not None and quant.block_size is not None
+            and cfg.head_dim % quant.block_size[0]):
+        # Repeating a KV head repeats its scales' blocks, which must then cover whole heads.
+        raise ValueError(f"tp_size {tp_size} repeats KV heads, which needs head_dim "
+                         f"({cfg.head_dim}) a multiple of the quantization block "
+                         f"({quant.block_size[0]})")
     if num_redundant_experts and not cfg.is_moe:
         raise ValueError(f"ep_num_redundant_experts={num_redundant_experts} needs a MoE model; "
                          f"{cfg.architecture} has no experts")

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from jaxrunner import Engine
 from models.config import ModelConfig
 from models.quantization import QuantConfig, dequantize, from_hf_config, quantized_matmul
+from models.sharding import sharded_model_config
 from models.weights import CheckpointReader
 from tests.test_hf_parity import _prefill_logits
 from tests.test_quantization import BLOCK, PROJECTIONS, SMALL, _prompts
@@ -189,3 +190,12 @@ def test_quantization_refused_for_other_load_formats(checkpoint):
     with pytest.raises(ValueError, match="load_format 'safetensors' only, not 'dummy'"):
         Engine(model_path=str(checkpoint("tiny-llama")), quantization="int8",
                load_format="dummy")
+
+
+def test_kv_head_repeats_need_whole_blocks(fp8_checkpoints):
+    """TP 4 repeats tiny-llama's 2 KV heads; a 128-wide scale block over 64-wide heads cannot be
+    repeated head by head."""
+    cfg = ModelConfig.from_pretrained(fp8_checkpoints[0])
+    assert sharded_model_config(cfg, 2).num_key_value_heads == 2
+    with pytest.raises(ValueError, match=r"head_dim \(64\) a multiple of the quantization block"):
+        sharded_model_config(cfg, 4)
