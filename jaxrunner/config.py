@@ -8,10 +8,15 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from models.quantization import check_method as check_quantization
+
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
 DLLM_ALGORITHMS = ("LowConfidence",)
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 DTYPES = ("auto", "float32", "bfloat16")
+# SGLang's names for the 8-bit caches -> the jnp dtype the cache holds.
+FP8_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPES = DTYPES + tuple(FP8_KV_CACHE_DTYPES)
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 MOE_RUNNER_BACKENDS = ("auto", "blocked", "ragged_dot")
 EXPERT_DISTRIBUTION_RECORDER_MODES = ("stat", "per_pass")
@@ -24,8 +29,17 @@ class EngineArgs:
     model_path: str
     # Weights and activations dtype; "auto" takes the checkpoint's `torch_dtype`.
     dtype: str = "auto"
-    # KV cache dtype; "auto" follows `dtype`.
+    # KV cache dtype; "auto" follows `dtype`. "fp8_e4m3" / "fp8_e5m2" store K and V in 8 bits
+    # (float8_e4m3fn / float8_e5m2), scale 1.0: half bfloat16's memory per token.
     kv_cache_dtype: str = "auto"
+    # Quantized weights of the decoder's projections (SGLang's name; models/quantization.py):
+    # None; "int8" (weight-only, symmetric per output channel, quantized while loading); "fp8"
+    # (float8_e4m3fn weight-only, per output channel on load, or a pre-quantized checkpoint's
+    # 128x128 block scales); "w8a8_int8" (int8 weights and per-token dynamic int8 activations:
+    # the one that runs an int8 dot on XLA:CPU). A checkpoint whose config.json has a
+    # `quantization_config` is read as published whatever this says (a conflicting value is an
+    # error).
+    quantization: str | None = None
     tokenizer_path: str | None = None
     skip_tokenizer_init: bool = False
     # Where the weights come from (SGLang's name; models/load_format.py): "safetensors" (a
@@ -191,9 +205,12 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got "
                              f"{self.load_format!r}")
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
+        check_quantization(self.quantization)
         if self.moe_runner_backend not in MOE_RUNNER_BACKENDS:
             raise ValueError(f"moe_runner_backend must be one of {MOE_RUNNER_BACKENDS}, got "
                              f"{self.moe_runner_backend!r}")

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrunner.config import FP8_KV_CACHE_DTYPES
+
 
 class TokenToKVPool:
     """The KV cache array, replaced by each step's donated output.
@@ -88,6 +90,14 @@ class TokenToKVPool:
     @property
     def bytes(self) -> int:
         return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
+    """The dtype an engine `kv_cache_dtype` names: "auto" is the model's dtype, "fp8_e4m3" and
+    "fp8_e5m2" the 8-bit floats (K and V stored as they are, scale 1.0)."""
+    if name == "auto":
+        return jnp.dtype(model_dtype)
+    return jnp.dtype(FP8_KV_CACHE_DTYPES.get(name, name))
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:

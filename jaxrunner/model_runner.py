@@ -41,7 +41,8 @@ from jaxrunner.executable_cache import ExecutableCache
 from jaxrunner.expert_location import ExpertLocation, ExpertMover
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
-from jaxrunner.kv_cache import TokenToKVPool, available_kv_memory, kv_bytes_per_token
+from jaxrunner.kv_cache import (TokenToKVPool, available_kv_memory, kv_bytes_per_token,
+                                kv_cache_dtype)
 from jaxrunner.lora.pool import LoraPool, resolve_lora_args
 from jaxrunner.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.model_weights import ModelWeights
@@ -58,6 +59,7 @@ from jaxrunner.speculative.spec_info import VerifyInput
 from jaxrunner.speculative.steps import captured_hidden, verify_step
 from jaxrunner.split_prefill_step import abstract_layer_range, split_prefill_step
 from kernels_pallas import lowering
+from models import quantization
 from models.config import ModelConfig
 from models.load_format import abstract_state, load_state, resolve_load_format
 from models.moe_parallel import MoeRunner
@@ -190,7 +192,10 @@ class ModelRunner:
         self.lowering_target = lowering_target
         self.abstract = abstract or lowering_target is not None
         self.speculative = speculative
-        self.model_config = model_config
+        # The quantization to run: the checkpoint's, or the `quantization` argument's.
+        self.model_config = model_config = dataclasses.replace(
+            model_config, quantization=quantization.resolve(
+                model_config.quantization, args.quantization, model_config.is_moe))
         distributed.initialize(args)  # multi-host: before anything touches a device
         if lowering_target is None:
             self.parallel = Parallelism.create(args.tp_size, args.dp_size)
@@ -323,8 +328,7 @@ class ModelRunner:
                          tensor_axis=TENSOR_AXIS if split_experts else None)
 
     def configure_kv_cache_dtype(self) -> None:
-        self.kv_cache_dtype = (self.dtype if self.args.kv_cache_dtype == "auto"
-                               else jnp.dtype(self.args.kv_cache_dtype))
+        self.kv_cache_dtype = kv_cache_dtype(self.args.kv_cache_dtype, self.dtype)
 
     def init_memory_pool(self) -> None:
         cfg, args = self.sharded_config, self.args

@@ -284,6 +284,10 @@ class ModelWeights:
         self.state = nnx.from_flat_state(self._flat)
 
     def _check_dense(self) -> None:
+        if getattr(self.config, "quantization", None) is not None:
+            raise ValueError(f"weight updates and get_weights_by_name are not implemented for "
+                             f"quantized weights (quantization "
+                             f"{self.config.quantization.method!r})")
         if getattr(self.config, "is_moe", False):
             raise ValueError(f"weight updates and get_weights_by_name are not implemented for "
                              f"MoE models ({self.config.architecture})")

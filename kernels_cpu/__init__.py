@@ -22,7 +22,7 @@ import jax
 import jaxlib
 import numpy as np
 
-from kernels_pallas.ragged_paged_attention import check_static_args
+from kernels_pallas.ragged_paged_attention import FP8_DTYPES, check_static_args
 
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
 _TARGET = "jaxrunner_ragged_paged_attention"
@@ -120,11 +120,16 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
                                soft_cap: float | None = None, kv_bound=None):
     """Ragged paged attention on the CPU; see `kernels_pallas.ragged_paged_attention`.
 
-    float32 or bfloat16 (q and kv_cache alike), float32 accumulation; padded tokens give zeros.
+    float32 or bfloat16 (q and kv_cache alike), or a float8 e4m3fn / e5m2 cache (scale 1) with
+    float32 q; float32 accumulation; padded tokens give zeros.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                       sliding_window, soft_cap, kv_bound)
-    if q.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):
+    if kv_cache.dtype in FP8_DTYPES:
+        if q.dtype != np.float32:
+            raise ValueError(f"ragged_paged_attention_cpu with a {kv_cache.dtype} cache takes "
+                             f"float32 q, got {q.dtype}")
+    elif q.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):
         raise ValueError(f"ragged_paged_attention_cpu takes f32 or bf16, got {q.dtype}")
     load()
     # A causal call keeps the original target, so its executables do not change.

@@ -15,9 +15,11 @@
 // Inner loops use GCC/Clang vector extensions (16 floats; the compiler maps them to AVX-512,
 // AVX2 or NEON): S = Q K^T is an outer product over a transposed K tile, O += P V an outer
 // product over V rows, and exp is a vector polynomial. Accumulation is float32 whatever the
-// cache dtype (float32 or bfloat16).
+// cache dtype (float32 or bfloat16 with q and out of the same dtype; float8 e4m3fn or e5m2, scale
+// 1, with q and out in float32: each 8-bit value becomes a float through a 256-entry table).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -114,6 +116,52 @@ inline void from_f32(float x, BF16* out) {
   out->bits = uint16_t(u >> 16);
 }
 
+// 8-bit floats as stored in the cache (scale 1), decoded through a table of all 256 values.
+struct F8E4M3 {  // float8_e4m3fn: no infinities, S.1111.111 is NaN, max 448
+  uint8_t bits;
+};
+struct F8E5M2 {  // float8_e5m2: IEEE-like, exponent 31 is inf / NaN
+  uint8_t bits;
+};
+
+std::array<float, 256> fp8_table(int exp_bits, int mant_bits, bool fn) {
+  std::array<float, 256> table{};
+  const int bias = (1 << (exp_bits - 1)) - 1, max_exp = (1 << exp_bits) - 1;
+  for (int b = 0; b < 256; ++b) {
+    const int sign = b >> 7, e = (b >> mant_bits) & max_exp, m = b & ((1 << mant_bits) - 1);
+    float x;
+    if (fn && e == max_exp && m == (1 << mant_bits) - 1)
+      x = std::numeric_limits<float>::quiet_NaN();
+    else if (!fn && e == max_exp)
+      x = m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+    else if (e == 0)
+      x = std::ldexp(float(m), 1 - bias - mant_bits);
+    else
+      x = std::ldexp(float(m + (1 << mant_bits)), e - bias - mant_bits);
+    table[b] = sign ? -x : x;
+  }
+  return table;
+}
+const std::array<float, 256> kE4M3 = fp8_table(4, 3, /*fn=*/true);
+const std::array<float, 256> kE5M2 = fp8_table(5, 2, /*fn=*/false);
+
+inline float to_f32(F8E4M3 x) { return kE4M3[x.bits]; }
+inline float to_f32(F8E5M2 x) { return kE5M2[x.bits]; }
+
+// The dtype of q and out for a cache of T: T itself, float32 for an 8-bit cache.
+template <typename T>
+struct QueryType {
+  using type = T;
+};
+template <>
+struct QueryType<F8E4M3> {
+  using type = float;
+};
+template <>
+struct QueryType<F8E5M2> {
+  using type = float;
+};
+
 // kLanes consecutive elements as floats.
 inline vf load_row(const float* p) { return load(p); }
 inline vf load_row(const BF16* p) {
@@ -122,6 +170,12 @@ inline vf load_row(const BF16* p) {
   const vu32 bits = __builtin_convertvector(*reinterpret_cast<const vu16*>(p), vu32) << 16;
   vf f;
   std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename F8>
+inline vf load_row(const F8* p) {
+  vf f;
+  for (int i = 0; i < kLanes; ++i) f[i] = to_f32(p[i]);
   return f;
 }
 
@@ -154,12 +208,13 @@ inline vf sum_lanes_16(vf p[kLanes]) {
 
 template <typename T>
 struct Problem {
-  const T* q;            // [num_tokens, num_q_heads, head_dim]
+  using Q = typename QueryType<T>::type;
+  const Q* q;            // [num_tokens, num_q_heads, head_dim]
   const T* kv;           // [num_pages, page_size, 2 * num_kv_heads, head_dim]
   const int32_t* kv_lens;
   const int32_t* pages;  // [max_num_seqs, pages_per_seq]
   const int32_t* cu_q_lens;
-  T* out;
+  Q* out;
   int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, group;
   int64_t num_pages, page_size, pages_per_seq;
   float sm_scale, soft_cap;  // soft_cap 0: none
@@ -318,7 +373,7 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
   // Row r is token token_begin + r / G, query head kv_head * G + r % G.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.token_begin + r / G, h = it.kv_head * G + r % G;
-    const T* src = P.q + (t * P.num_q_heads + h) * D;
+    const auto* src = P.q + (t * P.num_q_heads + h) * D;
     for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_f32(src[d]) * P.sm_scale;
     m[r] = kNegInf;
     l[r] = 0.f;
@@ -429,7 +484,7 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.token_begin + r / G, h = it.kv_head * G + r % G;
-    T* dst = P.out + (t * P.num_q_heads + h) * D;
+    auto* dst = P.out + (t * P.num_q_heads + h) * D;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     for (int64_t d = 0; d < D; ++d) from_f32(o[r * Dp + d] * inv, dst + d);
   }
@@ -489,12 +544,13 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   if (q_dims.size() != 3 || kv_dims.size() != 4 || page_indices.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
   auto P = std::make_shared<Problem<T>>();
-  P->q = reinterpret_cast<const T*>(q.untyped_data());
+  using Q = typename Problem<T>::Q;
+  P->q = reinterpret_cast<const Q*>(q.untyped_data());
   P->kv = reinterpret_cast<const T*>(kv.untyped_data());
   P->kv_lens = kv_lens.typed_data();
   P->pages = page_indices.typed_data();
   P->cu_q_lens = cu_q_lens.typed_data();
-  P->out = reinterpret_cast<T*>(out->untyped_data());
+  P->out = reinterpret_cast<Q*>(out->untyped_data());
   P->num_tokens = q_dims[0];
   P->num_q_heads = q_dims[1];
   P->head_dim = q_dims[2];
@@ -514,7 +570,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   const int64_t real_tokens = std::clamp<int64_t>(P->cu_q_lens[seqs], 0, P->num_tokens);
   const int64_t row = P->num_q_heads * P->head_dim;
   std::memset(static_cast<void*>(P->out + real_tokens * row), 0,
-              (P->num_tokens - real_tokens) * row * sizeof(T));
+              (P->num_tokens - real_tokens) * row * sizeof(Q));
 
   auto items = std::make_shared<std::vector<Item>>(make_items(*P, seqs));
   auto shared = std::make_shared<Shared>();
@@ -535,17 +591,26 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                     const int32_t* bound, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
                     float soft_cap, int64_t sliding_window) {
-  if (q.element_type() != kv.element_type() || out->element_type() != q.element_type())
-    return ffi::Error::InvalidArgument("ragged_paged_attention: q, kv_cache and out dtypes differ");
-  switch (q.element_type()) {
-    case ffi::F32:
-      return run<float>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, bound, out,
-                        sm_scale, soft_cap, sliding_window);
-    case ffi::BF16:
-      return run<BF16>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, bound, out,
-                       sm_scale, soft_cap, sliding_window);
+  if (out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q and out dtypes differ");
+  const bool fp8 = kv.element_type() == ffi::F8E4M3FN || kv.element_type() == ffi::F8E5M2;
+  if (fp8 && q.element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: an fp8 cache needs f32 q");
+  if (!fp8 && q.element_type() != kv.element_type())
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q and kv_cache dtypes differ");
+  // The kernel for the cache's element type (a value of it names the type).
+  auto with = [&](auto element) {
+    return run<decltype(element)>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, bound,
+                                  out, sm_scale, soft_cap, sliding_window);
+  };
+  switch (kv.element_type()) {
+    case ffi::F8E4M3FN: return with(F8E4M3{});
+    case ffi::F8E5M2: return with(F8E5M2{});
+    case ffi::F32: return with(float{});
+    case ffi::BF16: return with(BF16{});
     default:
-      return ffi::Error::InvalidArgument("ragged_paged_attention: dtype must be f32 or bf16");
+      return ffi::Error::InvalidArgument(
+          "ragged_paged_attention: kv_cache dtype must be f32, bf16, f8e4m3fn or f8e5m2");
   }
 }
 

@@ -11,7 +11,18 @@ import jax.numpy as jnp
 def _interleave(k, v, dtype):
     """[T, num_kv_heads, head_dim] x 2 -> [T, 2 * num_kv_heads, head_dim], K even, V odd."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim).astype(dtype)
+    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
+    return to_cache_dtype(kv, dtype)
+
+
+def to_cache_dtype(x, dtype):
+    """x in the cache's dtype; an 8-bit float saturates at its largest finite value (a plain
+    cast makes float8_e4m3fn NaN above 464, which would poison every later step)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -limit, limit)
+    return x.astype(dtype)
 
 
 def _check_args(kv_cache, k, v, slot_mapping):
@@ -54,5 +65,5 @@ def update_kv_cache_reference(kv_cache, k, v, slot_mapping):
     _check_args(kv_cache, k, v, slot_mapping)
     page_size = kv_cache.shape[1]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    kv_cache = kv_cache.at[page, offset, 0::2].set(k.astype(kv_cache.dtype), mode="drop")
-    return kv_cache.at[page, offset, 1::2].set(v.astype(kv_cache.dtype), mode="drop")
+    kv_cache = kv_cache.at[page, offset, 0::2].set(to_cache_dtype(k, kv_cache.dtype), mode="drop")
+    return kv_cache.at[page, offset, 1::2].set(to_cache_dtype(v, kv_cache.dtype), mode="drop")

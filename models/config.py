@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models.quantization import QuantConfig, from_hf_config
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -154,6 +156,9 @@ class ModelConfig:
     # Expert slots the model holds: num_experts plus redundant copies for load balancing (EPLB);
     # set by the engine (models/sharding.py), never by config.json.
     num_physical_experts: int = 0
+    # Quantized decoder projections (models/quantization.py): the checkpoint's
+    # `quantization_config`, or the engine's `quantization` argument (set by the engine).
+    quantization: QuantConfig | None = None
     # Block-diffusion LMs (DLLM_ARCHITECTURES): the token a block's undecided positions hold,
     # and the block length the model was trained with (None where the config names none).
     mask_token_id: int | None = None
@@ -287,6 +292,7 @@ class ModelConfig:
             torch_dtype=str(dtype).removeprefix("torch."),
             mask_token_id=None if d.get("mask_token_id") is None else int(d["mask_token_id"]),
             dllm_block_size=None if d.get("block_size") is None else int(d["block_size"]),
+            quantization=from_hf_config(d.get("quantization_config")),
         )
 
 

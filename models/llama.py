@@ -27,18 +27,31 @@ from jaxrunner.lora.layers import NO_LORA, LoraLayer
 from models.config import LayerRun, ModelConfig
 from models.moe import SparseMoeBlock
 from models.moe_parallel import MoeRunner
+from models.quantization import QuantConfig, quantized_matmul
 from models.rope import apply_rope_cos_sin, inv_frequencies, rope_cos_sin
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel stored [in, out]."""
+    """y = x @ kernel (+ bias); kernel stored [in, out]. With `quant`, kernel is int8 or fp8 and
+    `weight_scale` its float32 scales (models/quantization.py)."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d_in, d_out), dtype))
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs,
+                 quant: QuantConfig | None = None):
+        self.quant = quant
+        if quant is None:
+            self.kernel = nnx.Param(
+                nnx.initializers.lecun_normal()(rngs.params(), (d_in, d_out), dtype))
+        else:
+            # Loaded from the checkpoint, never initialised: zeros of the right shapes.
+            self.kernel = nnx.Param(jnp.zeros((d_in, d_out), quant.weight_dtype))
+            self.weight_scale = nnx.Param(jnp.ones(quant.scale_shape(d_in, d_out), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x):
-        y = x @ self.kernel[...]
+        if self.quant is None:
+            y = x @ self.kernel[...]
+        else:
+            y = quantized_matmul(x, self.kernel[...], self.weight_scale[...], self.quant)
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -60,11 +73,14 @@ class Attention(nnx.Module):
         """`d_in`: the q/k/v projections' input width (EAGLE-3's layer reads [embed; hidden])."""
         H, K, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         d_in = d_in or D
+        quant = cfg.quantization
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, Dh
-        self.q_proj = Linear(d_in, H * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d_in, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d_in, K * Dh, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(H * Dh, D, bias=cfg.o_proj_bias, dtype=dtype, rngs=rngs)
+        bias = cfg.attention_bias
+        self.q_proj = Linear(d_in, H * Dh, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
+        self.k_proj = Linear(d_in, K * Dh, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
+        self.v_proj = Linear(d_in, K * Dh, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
+        self.o_proj = Linear(H * Dh, D, bias=cfg.o_proj_bias, dtype=dtype, rngs=rngs,
+                             quant=quant)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
@@ -87,10 +103,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        D, F = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(F, D, bias=False, dtype=dtype, rngs=rngs)
+        D, F, quant = cfg.hidden_size, cfg.intermediate_size, cfg.quantization
+        self.gate_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs, quant=quant)
+        self.up_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs, quant=quant)
+        self.down_proj = Linear(F, D, bias=False, dtype=dtype, rngs=rngs, quant=quant)
 
     def __call__(self, x, lora: LoraLayer = NO_LORA):
         h = (jax.nn.silu(lora.apply("gate_proj", x, self.gate_proj(x)))

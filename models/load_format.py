@@ -65,6 +65,9 @@ def load_state(load_format: str, model_cls, cfg: ModelConfig, checkpoint_cfg: Mo
     `checkpoint_cfg` the checkpoint's own config."""
     if load_format == "safetensors":
         return nnx.split(load_model(model_cls, cfg, model_dir, dtype, place))
+    if getattr(cfg, "quantization", None) is not None:
+        raise ValueError(f"quantization {cfg.quantization.method!r} is implemented for "
+                         f"load_format 'safetensors' only, not {load_format!r}")
     if getattr(cfg, "is_moe", False):
         raise ValueError(f"load_format {load_format!r} is not implemented for MoE models "
                          f"({cfg.architecture}); use safetensors")

@@ -23,6 +23,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.moe import ExpertMap, replica_tables, trivial_placement
 from models.moe_checkpoint import ExpertLayout, is_expert_param
+from models.quantization import QuantConfig, quantize_weight
 from models.weights import CheckpointReader
 
 # our leaf name -> (Hugging Face leaf name, checkpoint tensor -> our layout). Linear kernels are
@@ -33,6 +34,9 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     "embedding": ("weight", lambda w: w),
     "weight": ("weight", lambda w: w),   # norms
     "d2t": ("d2t", lambda w: w),         # EAGLE-3's draft -> target vocabulary offsets
+    # A quantized linear's scales as Hugging Face's fp8 format publishes them ([out blocks,
+    # in blocks]); quantized on load, `quantized_leaf_rules` takes over.
+    "weight_scale": ("weight_scale_inv", np.transpose),
 }
 # Checkpoint tensors that are not parameters of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,11 +48,21 @@ def is_stacked(path: tuple) -> bool:
     return tuple(path[:2]) == STACKED
 
 
-def hf_name(path: tuple, layer: int | None = None) -> str:
+def quantized_leaf_rules(quant: QuantConfig) -> dict[str, tuple[str, Callable]]:
+    """The LEAF_RULES of a quantized linear: read as published (pre-quantized), or both leaves
+    from the float `weight`, quantized (the kernel's quantized values, the scales)."""
+    if quant.prequantized:
+        return LEAF_RULES
+    return {**LEAF_RULES,
+            "kernel": ("weight", lambda w: quantize_weight(w.T, quant)[0]),
+            "weight_scale": ("weight", lambda w: quantize_weight(w.T, quant)[1])}
+
+
+def hf_name(path: tuple, layer: int | None = None, hf_leaf: str | None = None) -> str:
     """('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel'), 3 ->
     'model.layers.3.self_attn.q_proj.weight' (`layer` counts from the first layer of the model,
-    the run index in the path is dropped)."""
-    hf_leaf, _ = LEAF_RULES[path[-1]]
+    the run index in the path is dropped; `hf_leaf` overrides LEAF_RULES' leaf name)."""
+    hf_leaf = hf_leaf or LEAF_RULES[path[-1]][0]
     parts = [str(p) for p in path[:-1]]
     if layer is not None:
         if isinstance(path[2], int):
@@ -173,7 +187,8 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
         if path in expert_maps:
             sources.append((path, _expert_map_source(cfg, path, shape)))
             continue
-        source = _source(ckpt, cfg, layout, path, shape, model_dir)
+        quantized = path[:-1] + ("weight_scale",) in shapes
+        source = _source(ckpt, cfg, layout, path, shape, model_dir, quantized)
         names = source.names()
         absent = [n for n in names if n not in available]
         missing += absent
@@ -206,7 +221,8 @@ def place_all(sources: list[tuple[tuple, ParamSource]], dtype, place: Callable):
 # ---- Hugging Face names of the parameters, both ways ----
 
 # The inverse of each LEAF_RULES transform (ours -> the checkpoint's layout); identity if absent.
-_TO_CHECKPOINT_LAYOUT: dict[str, Callable[[np.ndarray], np.ndarray]] = {"kernel": np.transpose}
+_TO_CHECKPOINT_LAYOUT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "kernel": np.transpose, "weight_scale": np.transpose}
 
 
 def to_model_layout(path: tuple, tensor):
@@ -243,7 +259,7 @@ def tensor_shapes(shapes: dict[tuple, tuple]) -> dict[str, tuple[tuple, int | No
 
 
 def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | None,
-            path: tuple, shape: tuple, model_dir) -> ParamSource:
+            path: tuple, shape: tuple, model_dir, quantized: bool = False) -> ParamSource:
     stacked = is_stacked(path)
     start = cfg.layer_runs[path[2]].start if stacked else 0
     common = dict(path=path, shape=shape, num_layers=shape[0] if stacked else None,
@@ -260,11 +276,12 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
                            tensors=tuple(tensors),
                            raw=lambda layer, slot: layout.read(ckpt, leaf, start + layer,
                                                                slot % E))
-    _, transform = LEAF_RULES[path[-1]]
+    rules = quantized_leaf_rules(cfg.quantization) if quantized else LEAF_RULES
+    hf_leaf, transform = rules[path[-1]]
     in_moe_block = stacked and cfg.layer_runs[path[2]].moe and "mlp" in path
 
     def name(layer):
-        n = hf_name(path, None if layer is None else start + layer)
+        n = hf_name(path, None if layer is None else start + layer, hf_leaf)
         return layout.block_name(n) if in_moe_block else n
 
     return ParamSource(**common, name=name, raw=lambda layer: transform(ckpt.get(name(layer))))

@@ -42,7 +42,7 @@ PARTITION_RULES: list[tuple[str, P]] = [
     (r"embed_tokens\.embedding$", P(T, None)),
     (r"lm_head\.kernel$", P(None, T)),
 ]
-_KV_PROJ = re.compile(r"self_attn\.(k|v)_proj\.(kernel|bias)$")
+_KV_PROJ = re.compile(r"self_attn\.(k|v)_proj\.(kernel|bias|weight_scale)$")
 
 
 def path_name(path: tuple) -> str:
@@ -55,6 +55,8 @@ _EXPERTS = re.compile(r"mlp\.experts\.(gate|up|down)_proj$")
 
 def partition_spec(path: tuple, expert_axes: tuple[str, ...] = ()) -> P:
     """The parameter's PartitionSpec; `expert_axes` (expert parallelism) split expert slots."""
+    if path[-1] == "weight_scale":  # a quantized linear's scales shard with its kernel
+        return partition_spec(path[:-1] + ("kernel",), expert_axes)
     name = path_name(path)
     if expert_axes and _EXPERTS.search(name):
         return P(None, expert_axes, None, None)
@@ -73,6 +75,13 @@ def sharded_model_config(cfg: ModelConfig, tp_size: int,
     """
     check_tp_size(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size)
     kv = effective_kv_heads(cfg.num_key_value_heads, tp_size)
+    quant = cfg.quantization
+    if (kv > cfg.num_key_value_heads and quant is not None and quant.block_size is not None
+            and cfg.head_dim % quant.block_size[0]):
+        # Repeating a KV head repeats its scales' blocks, which must then cover whole heads.
+        raise ValueError(f"tp_size {tp_size} repeats KV heads, which needs head_dim "
+                         f"({cfg.head_dim}) a multiple of the quantization block "
+                         f"({quant.block_size[0]})")
     if num_redundant_experts and not cfg.is_moe:
         raise ValueError(f"ep_num_redundant_experts={num_redundant_experts} needs a MoE model; "
                          f"{cfg.architecture} has no experts")

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _TORCH_BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -53,6 +56,7 @@ class CheckpointReader:
         self._files = _tensor_files(self.model_dir)
         self._stack = contextlib.ExitStack()
         self._where: dict[str, object] = {}  # name -> open file
+        self._headers: dict[Path, tuple[int, dict]] = {}  # fp8 files: (data start, header)
 
     def __enter__(self) -> "CheckpointReader":
         try:
@@ -84,9 +88,26 @@ class CheckpointReader:
         expert tensor)."""
         f, path = self._where[name]
         try:
+            dtype = f.get_slice(name).get_dtype()
+            if dtype in _FP8_DTYPES:
+                tensor = self._read_fp8(path, name, _FP8_DTYPES[dtype])
+                return tensor if index is None else tensor[index]
             return f.get_tensor(name) if index is None else f.get_slice(name)[index]
         except SafetensorError as e:
             raise ValueError(f"corrupt safetensors file {path}: tensor {name!r}: {e}") from e
+
+
+    def _read_fp8(self, path: Path, name: str, dtype) -> np.ndarray:
+        """An fp8 tensor, read from the file's bytes: safetensors' numpy reader has no fp8
+        dtype (it looks for numpy.float8_*, which ml_dtypes provides under its own name)."""
+        if path not in self._headers:
+            with open(path, "rb") as fh:
+                size = struct.unpack("<Q", fh.read(8))[0]
+                self._headers[path] = (8 + size, json.loads(fh.read(size)))
+        data_start, header = self._headers[path]
+        begin, end = header[name]["data_offsets"]
+        data = np.memmap(path, np.uint8, mode="r", offset=data_start + begin, shape=(end - begin,))
+        return np.array(data).view(dtype).reshape(header[name]["shape"])
 
 
 def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:

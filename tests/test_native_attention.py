@@ -83,6 +83,19 @@ CASES = {
 @pytest.mark.parametrize("page_size,group,window,soft_cap",
                          [(4, 1, None, None), (8, 4, None, 30.0), (16, 2, 6, None)])
 def test_native_matches_dense_reference(case, page_size, group, window, soft_cap):
+    _check_against_dense(case, page_size, group, window, soft_cap)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("case,page_size,group,window", [("mixed_with_prefix", 8, 4, None),
+                                                         ("multi_block", 16, 2, 6)])
+def test_native_fp8_cache_matches_dense_reference(case, page_size, group, window, kv_dtype):
+    """An 8-bit cache: the new K/V are stored rounded to it, and attention over the rounded
+    values is exact (the reference rounds the same way)."""
+    _check_against_dense(case, page_size, group, window, None, kv_dtype=kv_dtype)
+
+
+def _check_against_dense(case, page_size, group, window, soft_cap, kv_dtype=None):
     prefix_lens, new_lens, T, R = CASES[case]
     rng = np.random.default_rng(hash((case, page_size)) % 2**32)
     num_layers, layer, num_pages = 3, 1, 80
@@ -96,6 +109,11 @@ def test_native_matches_dense_reference(case, page_size, group, window, soft_cap
     # any of them instead of the layer's own shows.
     poison = np.full_like(cache, np.nan)
     stacked = np.concatenate([poison, cache, poison])
+    def stored(x):  # x as the cache holds it
+        return x if kv_dtype is None else np.asarray(jnp.asarray(x, kv_dtype).astype(jnp.float32))
+    if kv_dtype is not None:
+        stacked = jnp.asarray(stacked, kv_dtype)
+        full_k, full_v = [stored(k) for k in full_k], [stored(v) for v in full_v]
     backend = NativeAttentionBackend(cfg)
     fb, _ = ForwardBatch.init_new(wb, jnp.zeros(4, jnp.int32), jnp.zeros((1, 1)))
 
@@ -108,7 +126,7 @@ def test_native_matches_dense_reference(case, page_size, group, window, soft_cap
     out, new_stacked = run(jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new),
                            jnp.asarray(stacked), fb)
     out = np.asarray(out)
-    new_stacked = np.asarray(new_stacked)
+    new_stacked = np.asarray(new_stacked.astype(jnp.float32))
     assert np.isnan(np.delete(new_stacked, np.s_[num_pages:2 * num_pages], axis=0)).all()
     new_cache = new_stacked[num_pages:2 * num_pages]
     start = 0
@@ -121,8 +139,8 @@ def test_native_matches_dense_reference(case, page_size, group, window, soft_cap
     # The new tokens' K/V landed in their slots, K even and V odd.
     flat = np.asarray(new_cache).reshape(-1, 2 * cfg.num_kv_heads, cfg.head_dim)
     slots = wb.out_cache_loc[:wb.num_tokens]
-    np.testing.assert_array_equal(flat[slots][:, 0::2], k_new[:wb.num_tokens])
-    np.testing.assert_array_equal(flat[slots][:, 1::2], v_new[:wb.num_tokens])
+    np.testing.assert_array_equal(flat[slots][:, 0::2], stored(k_new[:wb.num_tokens]))
+    np.testing.assert_array_equal(flat[slots][:, 1::2], stored(v_new[:wb.num_tokens]))
 
 
 @pytest.mark.parametrize("window", [None, 3])

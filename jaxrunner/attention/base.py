@@ -17,9 +17,11 @@ import abc
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jaxrunner.forward_batch import ForwardBatch
 from kernels_pallas import update_kv_cache
+from kernels_pallas.ragged_paged_attention import FP8_DTYPES
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,12 @@ class AttentionBackend(abc.ABC):
     def page_offset(self, kv_cache: jax.Array, layer: jax.Array) -> jax.Array:
         """The row of `layer`'s page 0 in the flat cache."""
         return layer * (kv_cache.shape[0] // self.config.num_layers)
+
+    @staticmethod
+    def kernel_query(q: jax.Array, kv_cache: jax.Array) -> jax.Array:
+        """q in the dtype the kernels take with this cache: the cache's own, or float32 for an
+        8-bit (fp8) cache, whose K/V the kernels turn into floats as they read them."""
+        return q.astype(jnp.float32 if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype)
 
     def write_kv(self, kv_cache, k, v, forward_batch: ForwardBatch, page_offset):
         """The new tokens' K/V into `layer`'s pages (padding tokens into its dummy page)."""

@@ -25,7 +25,7 @@ class CpuAttentionBackend(AttentionBackend):
         offset = self.page_offset(kv_cache, layer)
         kv_cache = self.write_kv(kv_cache, k, v, forward_batch, offset)
         out = kernels_cpu.ragged_paged_attention_cpu(
-            q.astype(kv_cache.dtype), kv_cache, forward_batch.seq_lens,
+            self.kernel_query(q, kv_cache), kv_cache, forward_batch.seq_lens,
             forward_batch.page_table + offset,
             metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
             sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap,

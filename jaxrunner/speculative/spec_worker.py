@@ -32,6 +32,7 @@ from jaxrunner.compile_guard import CompileMonitor
 from jaxrunner.config import EngineArgs
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
+from jaxrunner.kv_cache import kv_cache_dtype
 from jaxrunner.model_runner import SpeculativePlan
 from jaxrunner.model_worker import GenerationBatchResult, ModelWorker
 from jaxrunner.schedule_batch import ModelWorkerBatch
@@ -80,7 +81,7 @@ class SpeculativeWorker:
         self.num_drafts = window - 1
         draft_config, layer, num_layers = _draft_config(args, model_config)
         dtype = jax.numpy.dtype(model_config.resolve_dtype(args.dtype))
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else np.dtype(args.kv_cache_dtype)
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
         heads = self.algorithm in HEADS
         plan = SpeculativePlan(
             window=window,

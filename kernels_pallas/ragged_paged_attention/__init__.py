@@ -13,6 +13,8 @@ from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attenti
 from kernels_pallas.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
 BACKENDS = ("auto", "tpu", "gpu", "reference")
+# 8-bit KV caches (scale 1): q stays in its own float dtype, K/V become floats as they are read.
+FP8_DTYPES = (jax.numpy.dtype(jax.numpy.float8_e4m3fn), jax.numpy.dtype(jax.numpy.float8_e5m2))
 
 
 def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
@@ -34,7 +36,7 @@ def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
     if num_q_heads % (num_kv_heads_x2 // 2):
         raise ValueError(
             f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads_x2 // 2}")
-    if q.dtype != kv_cache.dtype:
+    if q.dtype != kv_cache.dtype and kv_cache.dtype not in FP8_DTYPES:
         raise ValueError(f"q and kv_cache dtypes differ: {q.dtype} vs {kv_cache.dtype}")
     max_num_seqs = kv_lens.shape[0]
     if kv_lens.ndim != 1 or page_indices.ndim != 2 or page_indices.shape[0] != max_num_seqs:
@@ -135,6 +137,7 @@ def ragged_paged_attention(
 
 
 __all__ = [
+    "FP8_DTYPES",
     "check_supported",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",

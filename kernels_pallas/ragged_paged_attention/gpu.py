@@ -94,8 +94,9 @@ def _attend(
     def body(kv_block, carry):
         acc, m_prev, l_prev = carry
         pages = page_indices_ref[seq, pl.ds(kv_block * kv_pages, kv_pages)]
-        k = k_ref[pages].reshape(kv_tokens, head_dim)
-        v = v_ref[pages].reshape(kv_tokens, head_dim)
+        # An 8-bit cache's K/V become q's dtype here, as they are read (no-op otherwise).
+        k = k_ref[pages].reshape(kv_tokens, head_dim).astype(q.dtype)
+        v = v_ref[pages].reshape(kv_tokens, head_dim).astype(q.dtype)
         k_pos = kv_block * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)
         # Slots past the last query's position hold other data or NaN: 0 * NaN would poison p @ v.
         v = jnp.where((k_pos < kv_end)[:, None], v, jnp.zeros_like(v))

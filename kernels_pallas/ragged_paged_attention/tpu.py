@@ -20,7 +20,10 @@ interpreter cannot run) and no last dimension under 128 lanes:
 - Mosaic's strided loads take 32-bit data only. A bfloat16 buffer is read as 32-bit words, each
   holding two adjacent rows (the even one in the low half), and the halves are unpacked: K_h and
   V_h of a token are one word row; packed [K_h | V_h] rows pair up two heads (so the number of
-  KV heads must be 1 or even).
+  KV heads must be 1 or even). An 8-bit (fp8) buffer packs four rows per word, byte j holding
+  row 4i + j: (K_h, V_h, K_h+1, V_h+1) of a token, or four packed heads (so 2 * KV heads, or
+  packed the KV heads, must be a multiple of 4, or 1 head packed); the bytes become floats (q's
+  dtype, float32) as they are unpacked.
 
 What Mosaic and the chip would reject is checked from a CPU by lowering this kernel for TPU
 v5e, v6e and v7x and reading the Mosaic module (kernels_pallas/lowering.py, tests/lowering).
@@ -42,7 +45,7 @@ from kernels_pallas.ragged_paged_attention.reference import token_metadata
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _STAT_LANES = tuning.TPU_STAT_LANES  # m and l are kept lane-replicated, the native vreg layout
 _LANES = 128
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def check_supported(*, head_dim: int, page_size: int, num_kv_heads: int, dtype=None) -> None:
@@ -63,7 +66,13 @@ def check_supported(*, head_dim: int, page_size: int, num_kv_heads: int, dtype=N
     if dtype.itemsize == 2 and packed and num_kv_heads > 1 and num_kv_heads % 2:
         raise ValueError(f"the TPU attention kernel with a 16-bit KV cache and head_dim 64 needs "
                          f"1 or an even number of KV heads (per shard), got {num_kv_heads}")
-    rows_per_page = page_size * (num_kv_heads if packed else 2 * num_kv_heads)
+    rows_per_token = num_kv_heads if packed else 2 * num_kv_heads
+    if dtype.itemsize == 1 and rows_per_token % 4 and not (packed and num_kv_heads == 1):
+        raise ValueError(f"the TPU attention kernel with an 8-bit KV cache needs "
+                         f"{'the KV heads' if packed else '2 * the KV heads'} (per shard) a "
+                         f"multiple of 4 (four rows share a 32-bit word), got {num_kv_heads} "
+                         f"KV heads with head_dim {head_dim}")
+    rows_per_page = page_size * rows_per_token
     tile_rows = 8 * 4 // dtype.itemsize
     if rows_per_page % tile_rows:
         # A page is one DMA into the KV buffer, which must start on a whole (rows, 128) tile.
@@ -73,15 +82,23 @@ def check_supported(*, head_dim: int, page_size: int, num_kv_heads: int, dtype=N
 
 
 def _word_rows(kv_bufs, slot, first, count: int, stride: int, interpret: bool):
-    """u32[count, 128]: words first, first + stride, ... of the 16-bit buffer kv_bufs[slot] seen
-    as 32-bit words, word i holding rows 2i (low half) and 2i + 1 (high half)."""
+    """u32[count, 128]: words first, first + stride, ... of the 16- or 8-bit buffer
+    kv_bufs[slot] seen as 32-bit words, word i holding rows n * i + j in its j-th n-th
+    (n = 4 // itemsize rows per word, the first in the low bits)."""
+    per_word = 4 // jnp.dtype(kv_bufs.dtype).itemsize
     if interpret:
-        # The interpreter cannot index a bitcast ref; build the same words from the two rows.
-        even = kv_bufs[slot, pl.ds(2 * first, count, stride=2 * stride), :]
-        odd = kv_bufs[slot, pl.ds(2 * first + 1, count, stride=2 * stride), :]
-        return lax.bitcast_convert_type(jnp.stack([even, odd], axis=-1), jnp.uint32)
+        # The interpreter cannot index a bitcast ref; build the same words from the rows.
+        rows = [kv_bufs[slot, pl.ds(per_word * first + j, count, stride=per_word * stride), :]
+                for j in range(per_word)]
+        return lax.bitcast_convert_type(jnp.stack(rows, axis=-1), jnp.uint32)
     words = kv_bufs.at[slot].bitcast(jnp.uint32)
     return words[pl.ds(first, count, stride=stride), :]
+
+
+def _byte(words, j: int, dtype, out_dtype):
+    """Byte j of u32 words as the 8-bit float `dtype` it holds, converted to `out_dtype`."""
+    bits = ((words >> (8 * j)) & jnp.uint32(0xFF)).astype(jnp.uint8)
+    return lax.bitcast_convert_type(bits, dtype).astype(out_dtype)
 
 
 def _half(words, high: bool, dtype):
@@ -92,10 +109,22 @@ def _half(words, high: bool, dtype):
 
 
 def _load_head(kv_bufs, slot, h: int, *, num_kv_heads: int, kv_tokens: int, packed: bool,
-               interpret: bool):
+               interpret: bool, out_dtype=None):
     """K and V [kv_tokens, lanes] of KV head h for every token of the buffer (packed: [K | V],
-    returned twice)."""
+    returned twice); an 8-bit buffer's in `out_dtype`."""
     dtype = kv_bufs.dtype
+    if jnp.dtype(dtype).itemsize == 1:
+        if packed and num_kv_heads == 1:  # one row per token: no stride
+            kv = kv_bufs[slot, pl.ds(0, kv_tokens), :].astype(out_dtype)
+            return kv, kv
+        if packed:  # heads 4i..4i+3 share word row i of a token
+            words = _word_rows(kv_bufs, slot, h // 4, kv_tokens, num_kv_heads // 4, interpret)
+            kv = _byte(words, h % 4, dtype, out_dtype)
+            return kv, kv
+        # rows (K_h, V_h) are bytes 2 (h % 2) and 2 (h % 2) + 1 of word row h // 2
+        words = _word_rows(kv_bufs, slot, h // 2, kv_tokens, num_kv_heads // 2, interpret)
+        return (_byte(words, 2 * (h % 2), dtype, out_dtype),
+                _byte(words, 2 * (h % 2) + 1, dtype, out_dtype))
     if jnp.dtype(dtype).itemsize == 4:
         rows_per_token = num_kv_heads if packed else 2 * num_kv_heads
         k_row = h if packed else 2 * h
@@ -207,7 +236,7 @@ def _attend(
 
         for h in range(num_kv_heads):  # static: few heads, and each gets its own refs slice
             k, v = _load_head(kv_bufs, slot, h, num_kv_heads=num_kv_heads, kv_tokens=kv_tokens,
-                              packed=packed, interpret=interpret)
+                              packed=packed, interpret=interpret, out_dtype=q_ref.dtype)
             k = jnp.where(k_valid, k, jnp.zeros_like(k))
             v = k if packed else jnp.where(k_valid, v, jnp.zeros_like(v))
             s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),

@@ -29,6 +29,7 @@ class Case:
     # kv_bound: None (causal), "block:B" (block-diffusion: a token sees to the end of its block
     # of B positions), or "random" (any bound in [1, kv_len], above or below the causal one).
     bound: str | None = None
+    kv_dtype: str | None = None  # the cache's dtype when it differs from q's (fp8)
 
     def __str__(self):
         fields = [f"seqs{list(self.seqs)}", f"kvh{self.num_kv_heads}", f"g{self.group}",
@@ -39,6 +40,8 @@ class Case:
             fields.append(f"cap{self.soft_cap}")
         if self.bound:
             fields.append(f"bound-{self.bound}")
+        if self.kv_dtype:
+            fields.append(f"kv-{self.kv_dtype}")
         return "-".join(fields).replace(" ", "")
 
 
@@ -64,7 +67,9 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     num_pages = 1 + sum(pages_needed) + num_spare_pages  # page 0 is the dummy page
     max_num_seqs = len(case.seqs) + case.padded_seqs
 
-    def rounded(shape, scale=1.0):
+    kv_dtype = jnp.dtype(case.kv_dtype or case.dtype)
+
+    def rounded(shape, scale=1.0, dtype=dtype):
         x = (rng.standard_normal(shape) * scale).astype(np.float32)
         return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
 
@@ -81,7 +86,8 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         pages = used[next_page:next_page + pages_needed[s]]
         next_page += pages_needed[s]
         page_indices[s, :len(pages)] = pages
-        k, v = rounded((kv_len, kvh, head_dim)), rounded((kv_len, kvh, head_dim))
+        shape = (kv_len, kvh, head_dim)
+        k, v = rounded(shape, dtype=kv_dtype), rounded(shape, dtype=kv_dtype)
         k64.append(k)
         v64.append(v)
         for pos in range(kv_len):
@@ -93,7 +99,7 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     num_real_tokens = int(cu_q_lens[-1])
     q64 = rounded((num_real_tokens + case.padded_tokens, num_q_heads, head_dim), case.q_scale)
-    args = (jnp.asarray(q64, dtype), jnp.asarray(kv_cache, dtype), jnp.asarray(kv_lens),
+    args = (jnp.asarray(q64, dtype), jnp.asarray(kv_cache, kv_dtype), jnp.asarray(kv_lens),
             jnp.asarray(page_indices), jnp.asarray(cu_q_lens),
             jnp.asarray([len(case.seqs)], jnp.int32))
     kwargs = dict(sm_scale=head_dim ** -0.5, sliding_window=case.sliding_window,

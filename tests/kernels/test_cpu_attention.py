@@ -32,6 +32,13 @@ CASES = [
     Case(seqs=((1, 33), (9, 80)), group=5, head_dim=80, page_size=1),  # 5 vectors; page of 1
     Case(seqs=((1, 50), (17, 66)), group=2, head_dim=40, page_size=4),  # not a multiple of 16
     Case(seqs=((2, 90), (1, 65)), group=16, num_kv_heads=1, head_dim=32),  # 16 rows per token
+    # 8-bit caches (NaN-poisoned like the rest): decode rows read in place, prefill through the
+    # transposed tile, a head_dim that is not a multiple of 16.
+    Case(seqs=((1, 33), (7, 30), (1, 1), (16, 50)), num_kv_heads=1, group=8,
+         kv_dtype="float8_e4m3fn"),
+    Case(seqs=((1, 40), (10, 30), (6, 6)), group=4, head_dim=64, sliding_window=8,
+         kv_dtype="float8_e5m2"),
+    Case(seqs=((1, 50), (17, 66)), group=2, head_dim=40, page_size=4, kv_dtype="float8_e4m3fn"),
 ]
 
 
@@ -53,7 +60,7 @@ def test_cpu_kernel_matches_reference(case):
                                atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[12]], ids=str)
+@pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[12], CASES[15]], ids=str)
 def test_cpu_kernel_matches_float64_oracle(case):
     inputs = make_inputs(case, seed=7)
     out = np.asarray(_run(inputs))[:inputs.num_real_tokens]

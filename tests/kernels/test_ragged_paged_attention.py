@@ -31,6 +31,12 @@ KERNEL_CASES = [
     Case(seqs=((1, 21), (4, 9)), group=3, padded_seqs=2),  # a group that is not a power of 2
     # bfloat16 [K | V] rows of two heads share a 32-bit word (the TPU kernel unpacks them)
     Case(seqs=((1, 37), (6, 22)), group=2, head_dim=64, dtype="bfloat16"),
+    # 8-bit caches, float32 q: four rows per 32-bit word, (K_h, V_h, K_h+1, V_h+1) of a token,
+    # four packed [K | V] heads, or one packed head.
+    Case(seqs=((1, 33), (7, 30), (1, 1), (16, 50)), group=2, kv_dtype="float8_e4m3fn"),
+    Case(seqs=((1, 37), (6, 22)), num_kv_heads=4, group=2, head_dim=64, kv_dtype="float8_e5m2"),
+    Case(seqs=((5, 90), (1, 70)), group=8, num_kv_heads=1, head_dim=64, page_size=64,
+         sliding_window=20, kv_dtype="float8_e4m3fn"),
 ]
 
 # Small blocks so a few tokens already span several query blocks, KV blocks and KV splits.

@@ -9,7 +9,8 @@ decode-shaped and a mixed-shaped batch (their block sizes differ), and then:
   shapes, a window and a soft cap) the Triton IR is compiled to sm_90 PTX by the `triton` package,
   within Hopper's shared memory.
 
-To add a KV dtype (fp8, issue 17): add it to DTYPES; the refusals below show what must hold.
+8-bit (fp8) caches are configurations with a `kv_dtype` (q stays float32); the refusals below
+show what each kernel needs.
 """
 
 import dataclasses
@@ -49,11 +50,13 @@ class KernelConfig:
     num_kv_heads: int = 2
     sliding_window: int | None = None
     soft_cap: float | None = None
+    kv_dtype: str | None = None  # an 8-bit cache (q stays in `dtype`)
     bounded: bool = False  # a per-token kv_bound (block-diffusion steps)
 
     def __str__(self):
         extra = (f"-win{self.sliding_window}" if self.sliding_window else "") + (
-            f"-cap{self.soft_cap}" if self.soft_cap else "") + ("-bound" if self.bounded else "")
+            f"-cap{self.soft_cap}" if self.soft_cap else "") + (
+            f"-kv-{self.kv_dtype}" if self.kv_dtype else "") + ("-bound" if self.bounded else "")
         return (f"d{self.head_dim}-ps{self.page_size}-g{self.group}-kvh{self.num_kv_heads}-"
                 f"{self.dtype}{extra}")
 
@@ -65,7 +68,8 @@ class KernelConfig:
         return (jax.ShapeDtypeStruct((num_tokens, self.num_kv_heads * self.group, self.head_dim),
                                      dtype),
                 jax.ShapeDtypeStruct((num_seqs * pages_per_seq + 1, self.page_size,
-                                      2 * self.num_kv_heads, self.head_dim), dtype),
+                                      2 * self.num_kv_heads, self.head_dim),
+                                     jnp.dtype(self.kv_dtype or dtype)),
                 jax.ShapeDtypeStruct((num_seqs,), i32),
                 jax.ShapeDtypeStruct((num_seqs, pages_per_seq), i32),
                 jax.ShapeDtypeStruct((num_seqs + 1,), i32),
@@ -85,6 +89,10 @@ CONFIGS = [KernelConfig(*c) for c in itertools.product(HEAD_DIMS, PAGE_SIZES, GR
     KernelConfig(128, 64, 8, "bfloat16", num_kv_heads=1),
     KernelConfig(128, 16, 4, "bfloat16", bounded=True),
     KernelConfig(64, 16, 2, "float32", sliding_window=256, bounded=True),
+    # 8-bit caches: four rows per 32-bit word (two heads' K/V, four packed heads, one packed).
+    KernelConfig(128, 16, 4, "float32", kv_dtype="float8_e4m3fn"),
+    KernelConfig(64, 16, 2, "float32", num_kv_heads=4, kv_dtype="float8_e5m2"),
+    KernelConfig(64, 64, 8, "float32", num_kv_heads=1, kv_dtype="float8_e4m3fn"),
 ]
 # Triton compiles take a second or more each (several under load), so a covering few: head_dim
 # 128 in bfloat16 and head_dim 64 in bfloat16 with every mask (a window, a soft cap, 4 KV heads) at
@@ -96,6 +104,7 @@ PTX_SHAPES = {KernelConfig(64, 16, 1, "float32"): ("decode",),
               KernelConfig(128, 64, 8, "bfloat16"): tuple(SHAPES)}
 PTX_SHAPES.update({c: tuple(SHAPES) for c in CONFIGS if c.sliding_window and c.soft_cap})
 PTX_SHAPES[KernelConfig(128, 16, 4, "bfloat16", bounded=True)] = tuple(SHAPES)
+PTX_SHAPES.update({c: ("decode",) for c in CONFIGS if c.kv_dtype})
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +162,17 @@ def test_gpu_kernel_lowers_and_triton_compiles_it(config, triton):
     # one bfloat16 row per token: a page of 8 rows is not a whole (16, 128) tile.
     ("tpu", KernelConfig(64, 8, 1, "bfloat16", num_kv_heads=1), "multiple of 16"),
     ("tpu", KernelConfig(128, 16, 1, "float16"), "float32 or bfloat16"),
+    # four 8-bit rows share a word: (K_0, V_0) of one token would share it with the next's.
+    ("tpu", KernelConfig(128, 16, 1, "float32", num_kv_heads=1, kv_dtype="float8_e4m3fn"),
+     "multiple of 4"),
     ("gpu", KernelConfig(96, 16, 1, "float32"), "head_dim a power of two"),
     ("gpu", KernelConfig(128, 8, 1, "bfloat16"), "page_size a power of two >= 16"),
 ], ids=lambda v: str(v))
 def test_unsupported_configs_are_refused_at_start_up_and_when_lowering(backend, config, message):
     attention = AttentionConfig(num_heads=config.num_kv_heads * config.group,
                                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                                page_size=config.page_size, sm_scale=1.0, kv_dtype=config.dtype)
+                                page_size=config.page_size, sm_scale=1.0,
+                                kv_dtype=config.kv_dtype or config.dtype)
     platform = {"tpu": "tpu", "gpu": "cuda"}[backend]
     with pytest.raises(ValueError, match=message):
         PallasAttentionBackend(attention, platform=platform)
