@@ -8,7 +8,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from models.quantization import check_method as check_quantization
+from models.quant_config import check_method as check_quantization
 
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
 DLLM_ALGORITHMS = ("LowConfidence",)

@@ -59,7 +59,7 @@ from jaxrunner.speculative.spec_info import VerifyInput
 from jaxrunner.speculative.steps import captured_hidden, verify_step
 from jaxrunner.split_prefill_step import abstract_layer_range, split_prefill_step
 from kernels_pallas import lowering
-from models import quantization
+from models import quant_config
 from models.config import ModelConfig
 from models.load_format import abstract_state, load_state, resolve_load_format
 from models.moe_parallel import MoeRunner
@@ -179,6 +179,7 @@ def _input_logprobs(model, hidden, targets):
 class ModelRunner:
     lowering_target: "lowering.Target | None" = None  # set by lower_only (subclasses: never)
     lora_pool: LoraPool | None = None  # LoRA adapter slots (init_lora_pool; subclasses: never)
+    dllm: DllmPlan | None = None  # a block-diffusion LM's plan (subclasses: never)
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig,
                  compile_monitor: CompileMonitor | None = None, *, abstract: bool = False,
@@ -194,7 +195,7 @@ class ModelRunner:
         self.speculative = speculative
         # The quantization to run: the checkpoint's, or the `quantization` argument's.
         self.model_config = model_config = dataclasses.replace(
-            model_config, quantization=quantization.resolve(
+            model_config, quantization=quant_config.resolve(
                 model_config.quantization, args.quantization, model_config.is_moe))
         distributed.initialize(args)  # multi-host: before anything touches a device
         if lowering_target is None:

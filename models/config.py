@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models.quantization import QuantConfig, from_hf_config
+from models.quant_config import QuantConfig, from_hf_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
