@@ -65,9 +65,9 @@ def _cache_dir() -> Path:
     return Path(root) / "jaxrunner" / "kernels_cpu"
 
 
-def _build() -> Path:
+def _build(march: str | None = None) -> Path:
     cxx = _compiler()
-    flags = _FLAGS + _arch_flags(cxx)
+    flags = _FLAGS + ([f"-march={march}"] if march else _arch_flags(cxx))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=False).stdout
     key = hashlib.sha256("\0".join([
@@ -90,17 +90,51 @@ def _build() -> Path:
     return out
 
 
+# x86-64 instruction-set levels the kernel can be built for besides this CPU's own
+# (-march=native), with the /proc/cpuinfo flags a CPU needs to run each: the baseline (SSE2,
+# 128-bit vectors: the code path NEON takes too), AVX2 (256-bit) and AVX-512 (512-bit).
+X86_LEVELS = {
+    "x86-64": (),
+    "x86-64-v3": ("avx2", "fma", "bmi2", "f16c"),
+    "x86-64-v4": ("avx2", "fma", "bmi2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+}
+
+
+def runnable_levels() -> list[str]:
+    """The X86_LEVELS this CPU can execute (none off x86)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return []
+    return [level for level, need in X86_LEVELS.items() if flags.issuperset(need)]
+
+
+def _targets(march: str | None) -> tuple[str, str]:
+    suffix = "" if march is None else "_" + march.replace("-", "_")
+    return _TARGET + suffix, _TARGET_BOUNDED + suffix
+
+
 @functools.cache
-def load() -> None:
-    """Builds (once per machine) and registers the kernels with XLA; raises KernelBuildError."""
-    path = _build()
+def load(march: str | None = None) -> None:
+    """Builds (once per machine) and registers the kernels with XLA; raises KernelBuildError.
+
+    `march`: one of X86_LEVELS instead of this CPU's own instruction set (for tests and the
+    kernel benchmark: the engine always runs the native build), registered under its own names.
+    """
+    if march is not None and march not in X86_LEVELS:
+        raise ValueError(f"march must be one of {sorted(X86_LEVELS)}, got {march!r}")
+    path = _build(march)
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:
         raise KernelBuildError(f"loading {path} failed: {e}") from e
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttention),
+    causal, bounded = _targets(march)
+    jax.ffi.register_ffi_target(causal, jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttention),
                                 platform="cpu")
-    jax.ffi.register_ffi_target(_TARGET_BOUNDED,
+    jax.ffi.register_ffi_target(bounded,
                                 jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttentionBounded),
                                 platform="cpu")
 
@@ -117,11 +151,13 @@ def unavailable_reason() -> str | None:
 
 def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None, kv_bound=None):
+                               soft_cap: float | None = None, kv_bound=None,
+                               march: str | None = None):
     """Ragged paged attention on the CPU; see `kernels_pallas.ragged_paged_attention`.
 
     float32 or bfloat16 (q and kv_cache alike), or a float8 e4m3fn / e5m2 cache (scale 1) with
-    float32 q; float32 accumulation; padded tokens give zeros.
+    float32 q; float32 accumulation; padded tokens give zeros. `march`: run the build for one
+    of X86_LEVELS (see `load`) instead of the native one.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                       sliding_window, soft_cap, kv_bound)
@@ -131,13 +167,15 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
                              f"float32 q, got {q.dtype}")
     elif q.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):
         raise ValueError(f"ragged_paged_attention_cpu takes f32 or bf16, got {q.dtype}")
-    load()
+    load(march)
+    causal, bounded = _targets(march)
     # A causal call keeps the original target, so its executables do not change.
-    target, bound = (_TARGET, ()) if kv_bound is None else (_TARGET_BOUNDED, (kv_bound,))
+    target, bound = (causal, ()) if kv_bound is None else (bounded, (kv_bound,))
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *bound,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int64(sliding_window or 0))
 
 
-__all__ = ["KernelBuildError", "load", "ragged_paged_attention_cpu", "unavailable_reason"]
+__all__ = ["KernelBuildError", "X86_LEVELS", "load", "ragged_paged_attention_cpu", "runnable_levels",
+           "unavailable_reason"]

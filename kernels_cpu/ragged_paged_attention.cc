@@ -35,24 +35,49 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;                // floats per vector
+// The native vector of the build (-march=native): 512 bits with AVX-512, 256 with AVX/AVX2,
+// 128 otherwise (SSE, NEON). Register blocks are sized by the register file, 32 vector registers
+// on AVX-512 and AArch64 and 16 on AVX2 and SSE: a block that does not fit spills every
+// accumulator to the stack each iteration (16-float vectors emulated on AVX2 ran decode at a
+// tenth of the memory bandwidth and prefill at 4 GFLOP/s that way).
+#if defined(__AVX512F__)
+#define JR_LANES 16
+constexpr int kVecRegs = 32;
+#elif defined(__AVX__)
+#define JR_LANES 8
+constexpr int kVecRegs = 16;
+#elif defined(__aarch64__)
+#define JR_LANES 4
+constexpr int kVecRegs = 32;
+#else
+#define JR_LANES 4
+constexpr int kVecRegs = 16;
+#endif
+constexpr int kLanes = JR_LANES;          // floats per vector
 constexpr int kTile = 64;                 // keys per tile
 constexpr int kTileVecs = kTile / kLanes;
 constexpr int kRowBlock = 4;              // query rows per register block
+// Vectors of columns (keys for S, head dims for O) per register block: kRowBlock x kColVecs
+// accumulators, kColVecs loaded operands and a broadcast stay within the register file.
+constexpr int kColVecs = kVecRegs >= 32 ? 4 : 2;
+static_assert(kTileVecs % kColVecs == 0, "a tile is whole column blocks");
 constexpr int kTargetRows = 64;           // query rows (tokens x group) per work item
 constexpr int kDirectRows = 8;            // at most this many rows read K/V in place
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Hot helpers must inline: a vector argument of a non-inlined call goes through memory.
+#define JR_INLINE inline __attribute__((always_inline))
 
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 // An unaligned view for loads and stores from plain float arrays.
 typedef float vf_u __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 
-inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
-inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
-inline vf splat(float x) { return vf{} + x; }
+JR_INLINE vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+JR_INLINE void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
+JR_INLINE vf splat(float x) { return vf{} + x; }
 
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+JR_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 inline float hmax(vf v) {
   float m = v[0];
@@ -67,7 +92,7 @@ inline float hsum(vf v) {
 }
 
 // exp(x) for x <= 0 (logits minus their running max), relative error ~2e-7; -inf gives 0.
-inline vf vexp(vf x) {
+JR_INLINE vf vexp(vf x) {
   const vf lo = splat(-87.0f);
   vi underflow = x < lo;
   x = x < lo ? lo : x;
@@ -163,8 +188,8 @@ struct QueryType<F8E5M2> {
 };
 
 // kLanes consecutive elements as floats.
-inline vf load_row(const float* p) { return load(p); }
-inline vf load_row(const BF16* p) {
+JR_INLINE vf load_row(const float* p) { return load(p); }
+JR_INLINE vf load_row(const BF16* p) {
   typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
   typedef uint32_t vu32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
   const vu32 bits = __builtin_convertvector(*reinterpret_cast<const vu16*>(p), vu32) << 16;
@@ -173,15 +198,16 @@ inline vf load_row(const BF16* p) {
   return f;
 }
 template <typename F8>
-inline vf load_row(const F8* p) {
+JR_INLINE vf load_row(const F8* p) {
   vf f;
   for (int i = 0; i < kLanes; ++i) f[i] = to_f32(p[i]);
   return f;
 }
 
-// Lane c of the result is the sum of the lanes of p[c]: sixteen horizontal sums in 15 steps of
-// shuffle-and-add, halving the lanes per key at each level.
-inline vf sum_lanes_16(vf p[kLanes]) {
+// Lane c of the result is the sum of the lanes of p[c]: kLanes horizontal sums in
+// log2(kLanes) levels of shuffle-and-add, halving the lanes per input at each level.
+#if JR_LANES == 16
+JR_INLINE vf sum_lanes(const vf p[kLanes]) {
   vf a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
     a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
@@ -203,6 +229,27 @@ inline vf sum_lanes_16(vf p[kLanes]) {
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                  29, 31);
 }
+#elif JR_LANES == 8
+JR_INLINE vf sum_lanes(const vf p[kLanes]) {
+  vf a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#else
+JR_INLINE vf sum_lanes(const vf p[kLanes]) {
+  const vf a0 = __builtin_shufflevector(p[0], p[1], 0, 1, 4, 5) +
+                __builtin_shufflevector(p[0], p[1], 2, 3, 6, 7);
+  const vf a1 = __builtin_shufflevector(p[2], p[3], 0, 1, 4, 5) +
+                __builtin_shufflevector(p[2], p[3], 2, 3, 6, 7);
+  return __builtin_shufflevector(a0, a1, 0, 2, 4, 6) + __builtin_shufflevector(a0, a1, 1, 3, 5, 7);
+}
+#endif
 
 // ---- problem ------------------------------------------------------------------------------
 
@@ -241,31 +288,36 @@ struct Scratch {
   }
 };
 
-// S[r, :] = Q[r, :] . KT for NR rows: acc in registers, K tile from L1.
+// S[r, :] = Q[r, :] . KT for NR rows, kColVecs vectors of keys at a time: the accumulators
+// stay in registers, the K tile comes from L1.
 template <int NR>
-inline void scores_block(const float* q, int64_t head_dim, const float* kt, float* s) {
-  vf acc[NR][kTileVecs] = {};
-  for (int64_t d = 0; d < head_dim; ++d) {
-    vf k[kTileVecs];
-    for (int j = 0; j < kTileVecs; ++j) k[j] = load(kt + d * kTile + j * kLanes);
-    for (int r = 0; r < NR; ++r) {
-      const vf qb = splat(q[r * head_dim + d]);
-      for (int j = 0; j < kTileVecs; ++j) acc[r][j] += qb * k[j];
+JR_INLINE void scores_block(const float* q, int64_t head_dim, const float* kt, float* s) {
+  for (int j0 = 0; j0 < kTileVecs; j0 += kColVecs) {
+    vf acc[NR][kColVecs] = {};
+    for (int64_t d = 0; d < head_dim; ++d) {
+      vf k[kColVecs];
+      for (int j = 0; j < kColVecs; ++j) k[j] = load(kt + d * kTile + (j0 + j) * kLanes);
+      for (int r = 0; r < NR; ++r) {
+        const vf qb = splat(q[r * head_dim + d]);
+        for (int j = 0; j < kColVecs; ++j) acc[r][j] += qb * k[j];
+      }
     }
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < kColVecs; ++j) store(s + r * kTile + (j0 + j) * kLanes, acc[r][j]);
   }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < kTileVecs; ++j) store(s + r * kTile + j * kLanes, acc[r][j]);
 }
 
-// O[r, d0 : d0 + NV * kLanes] += P[r, :n] V[:n, same columns] for NR rows.
-template <int NR, int NV>
-inline void pv_block(const float* p, int n, const float* v, int64_t dp, int64_t d0, float* o) {
+// O[r, d0 : d0 + NV * kLanes] += P[r, :n] V[:n, same columns] for NR rows. `v_row(c)` gives
+// key c's V row (a gathered tile or the cache in place) and `load_v` reads kLanes of it.
+template <int NR, int NV, typename Row>
+JR_INLINE void pv_block(const float* p, int n, Row v_row, int64_t dp, int64_t d0, float* o) {
   vf acc[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * dp + d0 + j * kLanes);
   for (int c = 0; c < n; ++c) {
+    const auto* vr = v_row(c);
     vf vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load(v + c * dp + d0 + j * kLanes);
+    for (int j = 0; j < NV; ++j) vv[j] = load_row(vr + d0 + j * kLanes);
     for (int r = 0; r < NR; ++r) {
       const vf pb = splat(p[r * kTile + c]);
       for (int j = 0; j < NV; ++j) acc[r][j] += pb * vv[j];
@@ -275,67 +327,52 @@ inline void pv_block(const float* p, int n, const float* v, int64_t dp, int64_t 
     for (int j = 0; j < NV; ++j) store(o + r * dp + d0 + j * kLanes, acc[r][j]);
 }
 
-template <int NR>
-inline void pv_rows(const float* p, int n, const float* v, int64_t dp, float* o) {
+// O[r, :dp] += P[r, :n] V[:n, :dp] for NR rows (dp a multiple of kLanes).
+template <int NR, typename Row>
+JR_INLINE void pv_rows(const float* p, int n, Row v_row, int64_t dp, float* o) {
   int64_t d0 = 0;
-  for (; d0 + 4 * kLanes <= dp; d0 += 4 * kLanes) pv_block<NR, 4>(p, n, v, dp, d0, o);
-  for (; d0 < dp; d0 += kLanes) pv_block<NR, 1>(p, n, v, dp, d0, o);
+  for (; d0 + kColVecs * kLanes <= dp; d0 += kColVecs * kLanes)
+    pv_block<NR, kColVecs>(p, n, v_row, dp, d0, o);
+  for (; d0 < dp; d0 += kLanes) pv_block<NR, 1>(p, n, v_row, dp, d0, o);
 }
 
 // Few rows (a decode token's group of heads): transposing a K tile would cost more than the dot
-// products, so keys are read in place and each row's 16-lane partial sums are reduced 16 keys
-// at a time. Needs head_dim % kLanes == 0.
+// products, so keys are read in place, kColVecs keys at a time (each Q load serves all of them),
+// and each row's per-key partial sums are reduced kLanes keys at a time. Needs head_dim % kLanes
+// == 0.
 template <int NR, typename T>
-inline void scores_direct(const float* q, int64_t head_dim, const T* const* k_rows, int n,
-                          float* s) {
+JR_INLINE void scores_direct(const float* q, int64_t head_dim, const T* const* k_rows, int n,
+                             float* s) {
   const int64_t dv = head_dim / kLanes;
   for (int c0 = 0; c0 < n; c0 += kLanes) {
     vf part[NR][kLanes];
-    for (int c = 0; c < kLanes; ++c) {
-      vf acc[NR] = {};
-      if (c0 + c < n) {
-        const T* k = k_rows[c0 + c];
-        for (int64_t j = 0; j < dv; ++j) {
-          const vf kj = load_row(k + j * kLanes);
-          for (int r = 0; r < NR; ++r) acc[r] += load(q + r * head_dim + j * kLanes) * kj;
+    for (int c = 0; c < kLanes; c += kColVecs) {
+      vf acc[NR][kColVecs] = {};
+      const T* k[kColVecs];
+      for (int j = 0; j < kColVecs; ++j)  // keys past n read a valid row; their sums are unused
+        k[j] = k_rows[std::min(c0 + c + j, n - 1)];
+      for (int64_t i = 0; i < dv; ++i) {
+        vf kv[kColVecs];
+        for (int j = 0; j < kColVecs; ++j) kv[j] = load_row(k[j] + i * kLanes);
+        for (int r = 0; r < NR; ++r) {
+          const vf qr = load(q + r * head_dim + i * kLanes);
+          for (int j = 0; j < kColVecs; ++j) acc[r][j] += qr * kv[j];
         }
       }
-      for (int r = 0; r < NR; ++r) part[r][c] = acc[r];
+      for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < kColVecs; ++j) part[r][c + j] = acc[r][j];
     }
-    for (int r = 0; r < NR; ++r) store(s + r * kTile + c0, sum_lanes_16(part[r]));
+    for (int r = 0; r < NR; ++r) store(s + r * kTile + c0, sum_lanes(part[r]));
   }
-}
-
-// O[r, :] += P[r, :n] V[:n, :] for NR rows, V read in place (row stride dp in O).
-template <int NR, int NV, typename T>
-inline void pv_direct_block(const float* p, int n, const T* const* v_rows, int64_t dp,
-                            int64_t d0, float* o) {
-  vf acc[NR][NV];
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * dp + d0 + j * kLanes);
-  for (int c = 0; c < n; ++c) {
-    vf vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load_row(v_rows[c] + d0 + j * kLanes);
-    for (int r = 0; r < NR; ++r) {
-      const vf pb = splat(p[r * kTile + c]);
-      for (int j = 0; j < NV; ++j) acc[r][j] += pb * vv[j];
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NV; ++j) store(o + r * dp + d0 + j * kLanes, acc[r][j]);
 }
 
 template <int NR, typename T>
-inline void direct_rows(const float* q, int64_t head_dim, const T* const* k_rows,
-                        const T* const* v_rows, int n, float* s, float* o, bool scores) {
-  if (scores) {
+JR_INLINE void direct_rows(const float* q, int64_t head_dim, const T* const* k_rows,
+                           const T* const* v_rows, int n, float* s, float* o, bool scores) {
+  if (scores)
     scores_direct<NR>(q, head_dim, k_rows, n, s);
-    return;
-  }
-  int64_t d0 = 0;
-  for (; d0 + 4 * kLanes <= head_dim; d0 += 4 * kLanes)
-    pv_direct_block<NR, 4>(s, n, v_rows, head_dim, d0, o);
-  for (; d0 < head_dim; d0 += kLanes) pv_direct_block<NR, 1>(s, n, v_rows, head_dim, d0, o);
+  else
+    pv_rows<NR>(s, n, [v_rows](int c) { return v_rows[c]; }, head_dim, o);
 }
 
 // Runs direct_rows over `rows` rows in blocks of kRowBlock (the remainder one size down).
@@ -477,9 +514,10 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
       direct_all(rows, q, D, k_rows, v_rows, n, s, o, /*scores=*/false);
       continue;
     }
+    auto v_row = [v, Dp](int c) { return v + c * Dp; };
     for (r = 0; r + kRowBlock <= rows; r += kRowBlock)
-      pv_rows<kRowBlock>(s + r * kTile, n, v, Dp, o + r * Dp);
-    for (; r < rows; ++r) pv_rows<1>(s + r * kTile, n, v, Dp, o + r * Dp);
+      pv_rows<kRowBlock>(s + r * kTile, n, v_row, Dp, o + r * Dp);
+    for (; r < rows; ++r) pv_rows<1>(s + r * kTile, n, v_row, Dp, o + r * Dp);
   }
 
   for (int64_t r = 0; r < rows; ++r) {

@@ -2,8 +2,10 @@
 
 Same random ragged batches as the Pallas kernels (unused pages, page tails and padded sequences
 are NaN), plus shapes that exercise the kernel's own seams: head dims that are not a multiple of
-its 16-float vectors, query blocks split into several work items, contexts spanning many 64-key
-tiles, and decode rows read in place versus prefill rows through a transposed tile.
+its vectors, query blocks split into several work items, contexts spanning many 64-key
+tiles, and decode rows read in place versus prefill rows through a transposed tile. The kernel's vector
+width and register blocks follow the instruction set it is built for, so the cases also run on
+every x86-64 level this CPU can execute (128-bit SSE, the code path NEON takes; AVX2; AVX-512).
 """
 
 import jax
@@ -42,8 +44,9 @@ CASES = [
 ]
 
 
-def _run(inputs):
-    fn = jax.jit(lambda *a: kernels_cpu.ragged_paged_attention_cpu(*a, **inputs.kwargs))
+def _run(inputs, march=None):
+    fn = jax.jit(lambda *a: kernels_cpu.ragged_paged_attention_cpu(*a, **inputs.kwargs,
+                                                                    march=march))
     return fn(*inputs.args)
 
 
@@ -58,6 +61,31 @@ def test_cpu_kernel_matches_reference(case):
     tol = tolerance(case.dtype)
     np.testing.assert_allclose(out[:n], np.asarray(expected[:n].astype(np.float32)),
                                atol=tol, rtol=tol)
+
+
+# Decode in place, prefill through tiles over several items, bf16, a 5-vector head, a head dim
+# that is no multiple of any vector width, 16 rows per token, an 8-bit cache.
+LEVEL_CASES = [CASES[1], CASES[5], CASES[10], CASES[12], CASES[13], CASES[14], CASES[16]]
+
+
+# The highest level this CPU runs has the native build's vector width: the tests above cover it.
+@pytest.mark.parametrize("march", kernels_cpu.runnable_levels()[:-1] or
+                         [pytest.param(None, marks=pytest.mark.skip("no lower x86-64 level"))])
+def test_cpu_kernel_every_instruction_set_level(march):
+    for case in LEVEL_CASES:
+        inputs = make_inputs(case, seed=len(str(case)) + 1)
+        n = inputs.num_real_tokens
+        out = np.asarray(_run(inputs, march).astype(np.float32))
+        assert np.isfinite(out).all() and (out[n:] == 0).all(), (march, case)
+        expected = ragged_paged_attention_reference(*inputs.args, **inputs.kwargs)
+        tol = tolerance(case.dtype)
+        np.testing.assert_allclose(out[:n], np.asarray(expected[:n].astype(np.float32)),
+                                   atol=tol, rtol=tol, err_msg=f"{march} {case}")
+
+
+def test_cpu_kernel_rejects_an_unknown_level():
+    with pytest.raises(ValueError, match="march must be one of"):
+        kernels_cpu.load("pentium4")
 
 
 @pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[12], CASES[15]], ids=str)
