@@ -9,6 +9,13 @@ bandwidths by device kind (`peak_fraction`, null when unknown).
   python scripts/bench_attention.py                       # backends of this platform
   python scripts/bench_attention.py --interpret           # CPU: add the kernels, interpreted
   python scripts/bench_attention.py --decode-seqs 64 --decode-kv-len 4096 --json-out out.json
+  python scripts/bench_attention.py --backends cpu --cpu-builds native x86-64-v3   # AVX2 build too
+
+On a CPU it also reports the fraction of the machine's read bandwidth (a jitted sum over a
+large buffer) the kernel reaches, which is what decode attention is bound by, and the FLOP rate
+(QK^T and PV over the keys each query token sees), which is what prefill attention is bound by.
+`--cpu-builds` runs the C++ kernel as built for other x86-64 levels as well (kernels_cpu.X86_LEVELS:
+x86-64 = SSE, x86-64-v3 = AVX2, x86-64-v4 = AVX-512), to compare instruction sets on one machine.
 """
 
 import argparse
@@ -26,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels_cpu  # noqa: E402
-from bench_common import measure_memory_bandwidth  # noqa: E402
+from bench_common import machine_info, measure_memory_bandwidth  # noqa: E402
 from kernels_pallas import ragged_paged_attention  # noqa: E402
 
 # Peak HBM bandwidth in bytes/s, matched as a substring of jax's device_kind (first match).
@@ -95,11 +102,23 @@ def bytes_moved(scenario: Scenario, args) -> int:
     return kv_bytes + qo_bytes
 
 
-def time_backend(batch, backend: str, interpret: bool, args) -> list[float]:
+def attention_flops(scenario: Scenario, args) -> int:
+    """QK^T and PV over the keys each query token sees (causal, sliding window included)."""
+    keys = 0
+    for q, kv in scenario.seqs:
+        for t in range(q):
+            visible = kv - q + t + 1
+            keys += min(visible, args.sliding_window or visible)
+    return 4 * keys * args.num_kv_heads * args.group * args.head_dim
+
+
+def time_backend(batch, backend: str, interpret: bool, args, build=None) -> list[float]:
     kwargs = dict(sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
                   soft_cap=args.soft_cap)
     if backend == "cpu":  # the C++ kernel (kernels_cpu), same contract
-        fn = jax.jit(lambda *a: kernels_cpu.ragged_paged_attention_cpu(*a, **kwargs))
+        march = None if build == "native" else build
+        fn = jax.jit(lambda *a: kernels_cpu.ragged_paged_attention_cpu(*a, **kwargs,
+                                                                        march=march))
     else:
         fn = jax.jit(lambda *a: ragged_paged_attention(*a, **kwargs, backend=backend,
                                                        interpret=interpret))
@@ -147,6 +166,9 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=3 if on_cpu else 20)
     parser.add_argument("--bandwidth-bytes", type=int, default=(64 if on_cpu else 1024) * 2**20,
                         help="buffer size of the copy-bandwidth measurement")
+    parser.add_argument("--cpu-builds", nargs="+", default=["native"],
+                        choices=["native", *kernels_cpu.X86_LEVELS],
+                        help="builds of the C++ kernel to time (cpu backend)")
     parser.add_argument("--json-out", type=Path, help="also write the records to this file")
     return parser.parse_args(argv)
 
@@ -155,41 +177,50 @@ def main(argv=None):
     args = parse_args(argv)
     device = jax.devices()[0]
     peak = peak_bandwidth(device.device_kind)
-    copy = measure_memory_bandwidth(args.bandwidth_bytes)["copy_bytes_per_s"]
-    print(json.dumps({"device_kind": device.device_kind, "copy_bandwidth_gbps": copy / 1e9,
+    measured = measure_memory_bandwidth(args.bandwidth_bytes)
+    copy, read = measured["copy_bytes_per_s"], measured["read_bytes_per_s"]
+    print(json.dumps({"device_kind": device.device_kind, "machine": machine_info(),
+                      "copy_bandwidth_gbps": copy / 1e9, "read_bandwidth_gbps": read / 1e9,
                       "buffer_bytes": args.bandwidth_bytes}), flush=True)
     runs = ([(b, args.interpret and jax.default_backend() == "cpu" and b != "reference")
              for b in args.backends] if args.backends
             else default_backends(jax.default_backend(), args.interpret))
+    # The cpu backend once per build asked for.
+    runs = [(b, i, build) for b, i in runs
+            for build in (args.cpu_builds if b == "cpu" and not i else [None])]
     rng = np.random.default_rng(0)
     records = []
     for scenario in scenarios(args):
         batch = make_batch(scenario, args, rng)
         moved = bytes_moved(scenario, args)
-        for backend, interpret in runs:
-            times = time_backend(batch, backend, interpret, args)
+        flops = attention_flops(scenario, args)
+        for backend, interpret, build in runs:
+            times = time_backend(batch, backend, interpret, args, build)
             median = statistics.median(times)
             bandwidth = moved / median
             record = dict(
-                scenario=scenario.name, backend=backend, interpret=interpret,
+                scenario=scenario.name, backend=backend, interpret=interpret, cpu_build=build,
                 device_kind=device.device_kind, num_seqs=len(scenario.seqs),
                 num_tokens=int(batch[0].shape[0]), dtype=args.dtype, head_dim=args.head_dim,
                 num_kv_heads=args.num_kv_heads, group=args.group, page_size=args.page_size,
                 median_ms=median * 1e3, min_ms=min(times) * 1e3, bytes=moved,
                 bandwidth_gbps=bandwidth / 1e9, copy_bandwidth_gbps=copy / 1e9,
-                copy_fraction=bandwidth / copy,
+                copy_fraction=bandwidth / copy, read_fraction=bandwidth / read,
+                flops=flops, gflops_per_s=flops / median / 1e9,
                 peak_fraction=None if peak is None else bandwidth / peak)
             records.append(record)
             print(json.dumps(record), flush=True)
 
-    print(f"\ncopy bandwidth (measured): {copy / 1e9:.1f} GB/s")
-    print(f"{'scenario':<9} {'backend':<18} {'tokens':>7} {'median ms':>10} {'GB/s':>9} "
-          f"{'of copy':>8} {'of peak':>8}")
+    print(f"\nbandwidth (measured): read {read / 1e9:.1f} GB/s, copy {copy / 1e9:.1f} GB/s")
+    print(f"{'scenario':<9} {'backend':<24} {'tokens':>7} {'median ms':>10} {'GB/s':>9} "
+          f"{'of read':>8} {'of copy':>8} {'of peak':>8} {'GFLOP/s':>8}")
     for r in records:
-        name = r["backend"] + (" (interpret)" if r["interpret"] else "")
+        name = (r["backend"] + (" (interpret)" if r["interpret"] else "")
+                + (f" [{r['cpu_build']}]" if r["cpu_build"] else ""))
         fraction = "-" if r["peak_fraction"] is None else f"{r['peak_fraction']:.1%}"
-        print(f"{r['scenario']:<9} {name:<18} {r['num_tokens']:>7} {r['median_ms']:>10.3f} "
-              f"{r['bandwidth_gbps']:>9.2f} {r['copy_fraction']:>8.1%} {fraction:>8}")
+        print(f"{r['scenario']:<9} {name:<24} {r['num_tokens']:>7} {r['median_ms']:>10.3f} "
+              f"{r['bandwidth_gbps']:>9.2f} {r['read_fraction']:>8.1%} {r['copy_fraction']:>8.1%} "
+              f"{fraction:>8} {r['gflops_per_s']:>8.1f}")
     if args.json_out:
         args.json_out.write_text(json.dumps(records, indent=1))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_attention  # noqa: E402
 import bench_common  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_offline_throughput  # noqa: E402
@@ -54,6 +55,32 @@ def test_shared_prefix_workload_shares_exactly_the_prefix():
 def _common_flags(checkpoint, compilation_cache_dir):
     return ["--model-path", str(checkpoint("tiny-llama")), "--page-size", "16",
             "--compilation-cache-dir", compilation_cache_dir, "--probe-reps", "1"]
+
+
+def test_bench_attention_flops_count_the_keys_each_token_sees():
+    args = bench_attention.parse_args(["--num-kv-heads", "2", "--group", "3", "--head-dim", "8"])
+    # A 3-token extend over 5 cached + 3 new keys sees 6, 7, 8 keys; a decode over 4 sees 4.
+    scenario = bench_attention.Scenario("x", ((3, 8), (1, 4)))
+    assert bench_attention.attention_flops(scenario, args) == 4 * (6 + 7 + 8 + 4) * 2 * 3 * 8
+    args.sliding_window = 5
+    assert bench_attention.attention_flops(scenario, args) == 4 * (5 + 5 + 5 + 4) * 2 * 3 * 8
+
+
+def test_bench_attention_times_each_cpu_build(tmp_path):
+    import kernels_cpu
+    builds = ["native", *kernels_cpu.runnable_levels()[:1]]  # the baseline level where runnable
+    out = tmp_path / "attention.json"
+    bench_attention.main(["--scenarios", "decode", "prefill", "--backends", "cpu", "reference",
+                          "--cpu-builds", *builds, "--decode-seqs", "3", "--decode-kv-len", "40",
+                          "--prefill-len", "16", "--head-dim", "64", "--iters", "1",
+                          "--bandwidth-bytes", str(1 << 20), "--json-out", str(out)])
+    records = json.loads(out.read_text())
+    runs = {(r["scenario"], r["backend"], r["cpu_build"]) for r in records}
+    assert runs == {(s, "cpu", b) for s in ("decode", "prefill") for b in builds} | {
+        ("decode", "reference", None), ("prefill", "reference", None)}
+    for r in records:
+        assert r["read_fraction"] > 0 and r["gflops_per_s"] > 0
+        assert r["gflops_per_s"] == pytest.approx(r["flops"] / r["median_ms"] / 1e6)
 
 
 def test_bench_offline_throughput_with_hf_baseline(checkpoint, compilation_cache_dir, tmp_path,
