@@ -18,6 +18,7 @@ import bench_offline_throughput  # noqa: E402
 import bench_one_batch  # noqa: E402
 import bench_speculative  # noqa: E402
 import plot_one_batch  # noqa: E402
+import profile_step  # noqa: E402
 
 TINY = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64,
             vocab=1024)
@@ -180,6 +181,20 @@ def test_bench_one_batch(one_batch_json):
     # Later batches attend longer contexts only through more requests: KV read grows with B.
     kv = [b["step_bytes"]["kv_read"] for b in result["batches"]]
     assert kv == sorted(kv) and kv[0] < kv[-1]
+
+
+def test_profile_step_sorts_the_step_into_its_kinds(checkpoint, compilation_cache_dir):
+    result = profile_step.main(["--model-path", str(checkpoint("tiny-llama")),
+                                "--compilation-cache-dir", compilation_cache_dir,
+                                "--batch-size", "4", "--input-len", "24", "--steps", "2",
+                                "--max-prefill-tokens", "64"])
+    for phase in ("decode", "prefill"):
+        kinds = result[phase]["kinds_s"]
+        assert set(kinds) == set(profile_step.KINDS)
+        # Every step has projections, the attention kernel and the scan's weight slices.
+        for kind in ("matmul", "attention", "layer weights sliced"):
+            assert kinds[kind] > 0, (phase, kind, kinds)
+    assert result["machine"]["cpu_isa"]
 
 
 def test_plot_one_batch_writes_a_png(one_batch_json, tmp_path):
