@@ -52,9 +52,13 @@ def test_forward_batch_is_a_pytree_with_static_mode_and_derived_fields_unset():
     fb, _ = ForwardBatch.init_new(_worker_batch(ForwardMode.EXTEND, [0], [3], T=4, R=1), NO_PREV,
                                  NO_EMBEDS)
     leaves, treedef = jax.tree.flatten(fb)
-    # The uploaded inputs only: positions and the like are computed inside the step, so every
-    # call of a bucket has this one structure.
-    assert len(leaves) == 11 and all(isinstance(x, jax.Array) for x in leaves)
+    # The step's inputs only: positions and the like are computed inside the step, so every
+    # call of a bucket has this one structure. The batch's own arrays stay on the host (the
+    # executable moves them); what the runner keeps on the device (previous samples, the
+    # override rows) is passed through.
+    assert len(leaves) == 11
+    assert all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+    assert isinstance(fb.input_ids, np.ndarray) and fb.prev_tokens is NO_PREV
     assert fb.positions is None and fb.token_to_req is None
     rebuilt = jax.tree.unflatten(treedef, leaves)
     assert rebuilt.forward_mode == ForwardMode.EXTEND and rebuilt.batch_size == 1
