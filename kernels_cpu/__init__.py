@@ -23,10 +23,12 @@ import jaxlib
 import numpy as np
 
 from kernels_pallas.ragged_paged_attention import FP8_DTYPES, check_static_args
+from kernels_pallas.ragged_paged_attention.reference import token_metadata
 
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
 _TARGET = "jaxrunner_ragged_paged_attention"
 _TARGET_BOUNDED = "jaxrunner_ragged_paged_attention_bounded"
+_TARGET_TREE = "jaxrunner_ragged_paged_attention_tree"
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast"]
 
 
@@ -103,6 +105,9 @@ def load() -> None:
     jax.ffi.register_ffi_target(_TARGET_BOUNDED,
                                 jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttentionBounded),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(_TARGET_TREE,
+                                jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttentionTree),
+                                platform="cpu")
 
 
 @functools.cache
@@ -115,16 +120,22 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def causal_bound(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
+    """i32[num_tokens]: each token's causal KV bound (its position + 1)."""
+    _, positions, _ = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    return (positions + 1).astype(np.int32)
+
+
 def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None, kv_bound=None):
+                               soft_cap: float | None = None, kv_bound=None, kv_tree_mask=None):
     """Ragged paged attention on the CPU; see `kernels_pallas.ragged_paged_attention`.
 
     float32 or bfloat16 (q and kv_cache alike), or a float8 e4m3fn / e5m2 cache (scale 1) with
     float32 q; float32 accumulation; padded tokens give zeros.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap, kv_bound)
+                      sliding_window, soft_cap, kv_bound, kv_tree_mask)
     if kv_cache.dtype in FP8_DTYPES:
         if q.dtype != np.float32:
             raise ValueError(f"ragged_paged_attention_cpu with a {kv_cache.dtype} cache takes "
@@ -134,6 +145,10 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     load()
     # A causal call keeps the original target, so its executables do not change.
     target, bound = (_TARGET, ()) if kv_bound is None else (_TARGET_BOUNDED, (kv_bound,))
+    if kv_tree_mask is not None:  # the tree's binding takes a bound: the causal one if none
+        if kv_bound is None:
+            kv_bound = causal_bound(kv_lens, cu_q_lens, num_seqs, q.shape[0])
+        target, bound = _TARGET_TREE, (kv_bound, kv_tree_mask)
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *bound,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
