@@ -1,0 +1,143 @@
+"""Tree drafting (speculative_eagle_topk > 1): the tree's construction, greedy acceptance along
+it and the accepted path's KV move, on small hand-made cases; then end to end, a standalone
+draft that is the target keeps the greedy tokens and accepts the tree's full depth."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrunner import Engine
+from jaxrunner.speculative.tree import (accept_tree_greedy, ancestry, compact_path_kv, expand,
+                                        select)
+from tests.test_speculative import SPEC_ENGINE, workload
+from tests.test_engine import CompileCounter
+
+# 8 nodes: the 7 best of the tree's 10 candidates. The full-depth check needs the target's
+# greedy path to survive the pruning by cumulative score (SGLang's rule, which does not promise
+# it); on this workload it does with 7 nodes, and with 5 four requests lose a round.
+TOPK, STEPS, NODES = 2, 3, 8
+
+# A tree of 6 slots: 0 root; 1, 2 its children; 3 under 1; 4 under 3; 5 under 2.
+PARENTS = np.array([[-1, 0, 0, 1, 3, 2]], np.int32)
+
+
+def test_ancestry_gives_each_node_its_path_and_depth():
+    sees, depth = ancestry(jnp.asarray(PARENTS), max_depth=3)
+    assert depth.tolist() == [[0, 1, 1, 2, 3, 2]]
+    assert np.flatnonzero(np.asarray(sees[0, 4])).tolist() == [0, 1, 3, 4]
+    assert np.flatnonzero(np.asarray(sees[0, 5])).tolist() == [0, 2, 5]
+
+
+def test_select_keeps_the_best_nodes_with_their_parents():
+    # Step 0: children a (-1), b (-2) of the root; step 1: a's children (-1.5, -3), b's (-2.2, -9).
+    tokens = jnp.asarray([[10, 11, 20, 21, 30, 31]], jnp.int32)
+    scores = jnp.asarray([[-1.0, -2.0, -1.5, -3.0, -2.2, -9.0]])
+    parents = jnp.asarray([[-1, -1, 0, 0, 1, 1]], jnp.int32)
+    chosen, tree_parents = select(tokens, scores, parents, num_nodes=5)
+    # The best four: a, b, a's first, b's first, in candidate order (parents first).
+    assert chosen.tolist() == [[10, 11, 20, 30]]
+    assert tree_parents.tolist() == [[-1, 0, 0, 1, 2]]
+
+
+def test_expand_scores_children_by_their_path():
+    logprobs = jnp.log(jnp.asarray([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]]))
+    tokens, scores, parent = expand(logprobs, jnp.asarray([[-1.0, -2.0]]), topk=2)
+    assert tokens.tolist() == [[0, 1, 2, 0]]
+    assert parent.tolist() == [[0, 0, 1, 1]]
+    np.testing.assert_allclose(scores, [[-1 + np.log(.5), -1 + np.log(.3), -2 + np.log(.8),
+                                         -2 + np.log(.1)]], rtol=1e-6)
+
+
+def _logits_choosing(next_tokens, vocab=40):
+    """f32[1, N, V] whose argmax at slot j is next_tokens[j]."""
+    logits = np.zeros((1, len(next_tokens), vocab), np.float32)
+    logits[0, np.arange(len(next_tokens)), next_tokens] = 5.0
+    return jnp.asarray(logits)
+
+
+def test_greedy_acceptance_takes_the_deepest_matching_path():
+    tokens = jnp.asarray([[7, 11, 12, 13, 14, 15]], jnp.int32)
+    # The target continues 7 -> 11 -> 13 -> 14 -> 33: the path 0-1-3-4 matches throughout.
+    logits = _logits_choosing([11, 13, 30, 14, 33, 31])
+    has_kv = jnp.ones((1, 6), bool)
+    accept, out, logprobs, path = accept_tree_greedy(logits, tokens, jnp.asarray(PARENTS),
+                                                     jnp.asarray([3]), has_kv, 3)
+    assert accept.tolist() == [3]
+    assert out.tolist() == [[11, 13, 14, 33, 0, 0]]
+    assert path[0, :4].tolist() == [0, 1, 3, 4]
+    # Each token is its slot's argmax: 5 against 39 zeros.
+    np.testing.assert_allclose(logprobs[0, :4], 5 - np.log(np.exp(5) + 39), rtol=1e-5)
+    # A limit of one draft stops at node 1; a node without KV (slot 3) cuts its subtree.
+    accept, out, _, _ = accept_tree_greedy(logits, tokens, jnp.asarray(PARENTS),
+                                           jnp.asarray([1]), has_kv, 3)
+    assert (accept.tolist(), out[0, :2].tolist()) == ([1], [11, 13])
+    accept, _, _, _ = accept_tree_greedy(logits, tokens, jnp.asarray(PARENTS), jnp.asarray([3]),
+                                         has_kv.at[0, 3].set(False), 3)
+    assert accept.tolist() == [1]
+    # The other branch: the target takes 12 after the root, then 15.
+    accept, out, _, path = accept_tree_greedy(_logits_choosing([12, 0, 15, 0, 0, 9]), tokens,
+                                              jnp.asarray(PARENTS), jnp.asarray([3]), has_kv, 3)
+    assert (accept.tolist(), out[0, :3].tolist(), path[0, :3].tolist()) == (
+        [2], [12, 15, 9], [0, 2, 5])
+
+
+def test_compact_moves_the_path_next_to_the_prefix_in_every_layer():
+    layers, pages, page_size = 2, 6, 4
+    cache = jnp.arange(layers * pages * page_size * 2, dtype=jnp.float32).reshape(
+        layers, pages, page_size, 2, 1)
+    slots = jnp.asarray([[8, 9, 10, 11, 12, 13]], jnp.int32)
+    path = jnp.asarray([[0, 2, 5, 0, 0, 0]], jnp.int32)
+    new = compact_path_kv(cache, slots, path, jnp.asarray([2]))
+    rows, new_rows = (np.asarray(x).reshape(layers, pages * page_size, 2)
+                      for x in (cache, new))
+    for layer in range(layers):
+        want = rows[layer].copy()
+        want[9], want[10] = rows[layer][10], rows[layer][13]
+        np.testing.assert_array_equal(new_rows[layer], want)
+
+
+# ---- end to end ---------------------------------------------------------------------------
+
+TREE = dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=TOPK,
+            speculative_num_steps=STEPS, speculative_num_draft_tokens=NODES)
+
+
+def test_a_tree_keeps_the_greedy_tokens_and_accepts_the_full_depth(checkpoint, engine_kwargs):
+    path = checkpoint("tiny-llama")
+    prompts, params = workload(1024)
+    kwargs = dict(engine_kwargs, **SPEC_ENGINE)
+    plain = Engine(model_path=str(path), **kwargs)
+    try:
+        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    finally:
+        plain.shutdown()
+    engine = Engine(model_path=str(path), **kwargs, **TREE,
+                    speculative_draft_model_path=str(path))
+    try:
+        half = len(prompts) // 2
+        with CompileCounter() as counter:
+            outs = (engine.generate(input_ids=prompts[:half], sampling_params=params[:half])
+                    + engine.generate(input_ids=prompts[half:], sampling_params=params[half:]))
+        assert counter.count == 0, f"{counter.count} compiles after warm-up"
+        assert [o["output_ids"] for o in outs] == want
+        for out, p in zip(outs, params):  # every round accepts the tree's full depth
+            rounds = -(-(p["max_new_tokens"] - 1) // (STEPS + 1))
+            assert out["meta_info"]["spec_verify_ct"] == rounds
+        with pytest.raises(ValueError, match="tree drafting"):
+            engine.generate(input_ids=prompts[0], sampling_params={"temperature": 0.8})
+        assert engine.flush_cache()
+        scheduler = engine.scheduler
+        assert scheduler.allocator.num_free == scheduler.allocator.capacity, "pages leaked"
+        assert scheduler.req_to_token_pool.num_free_slots == scheduler.req_to_token_pool.num_slots
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("spec,message", [
+    (dict(TREE, speculative_num_draft_tokens=4), "too small for the draft tree"),
+    (dict(TREE, speculative_algorithm="EAGLE"), "'STANDALONE' only"),
+])
+def test_bad_tree_arguments_are_refused(checkpoint, spec, message):
+    path = str(checkpoint("tiny-llama"))
+    with pytest.raises(ValueError, match=message):
+        Engine(model_path=path, **dict(spec, speculative_draft_model_path=path))
