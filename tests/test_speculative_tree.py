@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jaxrunner import Engine
+from jaxrunner.request_factory import RequestFactory
 from jaxrunner.speculative.tree import (accept_tree_greedy, ancestry, compact_path_kv, expand,
                                         select)
-from tests.test_speculative import SPEC_ENGINE, workload
-from tests.test_engine import CompileCounter
+from tests.test_speculative import run, workload
 
 # 8 nodes: the 7 best of the tree's 10 candidates. The full-depth check needs the target's
 # greedy path to survive the pruning by cumulative score (SGLang's rule, which does not promise
@@ -103,34 +103,29 @@ TREE = dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=TOPK,
 
 
 def test_a_tree_keeps_the_greedy_tokens_and_accepts_the_full_depth(checkpoint, engine_kwargs):
+    """Ragged requests sharing prefixes, chunked: identical greedy tokens, 0 compiles after
+    warm-up and every page free (`test_speculative.run`), and every round accepts all STEPS
+    levels of the tree plus the target's token."""
     path = checkpoint("tiny-llama")
     prompts, params = workload(1024)
-    kwargs = dict(engine_kwargs, **SPEC_ENGINE)
-    plain = Engine(model_path=str(path), **kwargs)
-    try:
-        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
-    finally:
-        plain.shutdown()
-    engine = Engine(model_path=str(path), **kwargs, **TREE,
-                    speculative_draft_model_path=str(path))
-    try:
-        half = len(prompts) // 2
-        with CompileCounter() as counter:
-            outs = (engine.generate(input_ids=prompts[:half], sampling_params=params[:half])
-                    + engine.generate(input_ids=prompts[half:], sampling_params=params[half:]))
-        assert counter.count == 0, f"{counter.count} compiles after warm-up"
-        assert [o["output_ids"] for o in outs] == want
-        for out, p in zip(outs, params):  # every round accepts the tree's full depth
-            rounds = -(-(p["max_new_tokens"] - 1) // (STEPS + 1))
-            assert out["meta_info"]["spec_verify_ct"] == rounds
-        with pytest.raises(ValueError, match="tree drafting"):
-            engine.generate(input_ids=prompts[0], sampling_params={"temperature": 0.8})
-        assert engine.flush_cache()
-        scheduler = engine.scheduler
-        assert scheduler.allocator.num_free == scheduler.allocator.capacity, "pages leaked"
-        assert scheduler.req_to_token_pool.num_free_slots == scheduler.req_to_token_pool.num_slots
-    finally:
-        engine.shutdown()
+    want = [o["output_ids"] for o in run(path, engine_kwargs, prompts, params)]
+    outs = run(path, engine_kwargs, prompts, params, **TREE,
+               speculative_draft_model_path=str(path))
+    assert [o["output_ids"] for o in outs] == want
+    for out, p in zip(outs, params):
+        rounds = -(-(p["max_new_tokens"] - 1) // (STEPS + 1))
+        assert out["meta_info"]["spec_verify_ct"] == rounds
+
+
+def test_sampled_requests_are_refused_with_trees():
+    """Trees accept greedily only: a sampled request is refused by name, not run as greedy."""
+    def factory(tree):
+        return RequestFactory(64, [0], 128, None, False, 0, speculative="STANDALONE",
+                              speculative_tree=tree)
+    factory(True).make([1, 2, 3], {"temperature": 0.0})
+    factory(False).make([1, 2, 3], {"temperature": 0.8})
+    with pytest.raises(ValueError, match="tree drafting"):
+        factory(True).make([1, 2, 3], {"temperature": 0.8})
 
 
 @pytest.mark.parametrize("spec,message", [
