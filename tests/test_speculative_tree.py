@@ -10,6 +10,7 @@ from jaxrunner import Engine
 from jaxrunner.request_factory import RequestFactory
 from jaxrunner.speculative.tree import (accept_tree_greedy, ancestry, compact_path_kv, expand,
                                         select)
+from tests.test_engine import assert_no_kv_cache_copy
 from tests.test_speculative import run, workload
 
 # 8 nodes: the 7 best of the tree's 10 candidates. The full-depth check needs the target's
@@ -109,7 +110,12 @@ def test_a_tree_keeps_the_greedy_tokens_and_accepts_the_full_depth(checkpoint, e
     path = checkpoint("tiny-llama")
     prompts, params = workload(1024)
     want = [o["output_ids"] for o in run(path, engine_kwargs, prompts, params)]
-    outs = run(path, engine_kwargs, prompts, params, **TREE,
+
+    def in_place(engine):  # the tree steps (and the path's KV move) copy no KV cache
+        assert_no_kv_cache_copy(engine.runner)
+        assert_no_kv_cache_copy(engine.worker.draft)
+
+    outs = run(path, engine_kwargs, prompts, params, check=in_place, **TREE,
                speculative_draft_model_path=str(path))
     assert [o["output_ids"] for o in outs] == want
     for out, p in zip(outs, params):
