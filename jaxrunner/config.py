@@ -122,8 +122,8 @@ class EngineArgs:
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int = 3
-    # Branches per draft step: 1 drafts a chain; > 1 drafts a tree (STANDALONE drafts, greedy
-    # requests; jaxrunner/speculative/tree.py) of speculative_num_draft_tokens nodes.
+    # Branches per draft step: 1 drafts a chain; > 1 drafts a tree (STANDALONE drafts only;
+    # jaxrunner/speculative/tree.py) of speculative_num_draft_tokens nodes.
     speculative_eagle_topk: int = 1
     # Tokens one verify step checks per request; None: speculative_num_steps + 1 (a chain).
     speculative_num_draft_tokens: int | None = None

@@ -61,12 +61,10 @@ class Engine(EngineLifecycle):
             json_whitespace_pattern=self.args.constrained_json_whitespace_pattern,
             json_disable_any_whitespace=self.args.constrained_json_disable_any_whitespace)
         # Validation, ids and seeds of every request (the server's too).
-        tree = self.args.speculative_eagle_topk > 1
         self.request_factory = RequestFactory(cfg.vocab_size, cfg.eos_token_ids, self.max_req_len,
                                               self.grammar_cache, self.tokenizer is not None,
                                               self.args.random_seed,
                                               speculative=self.args.speculative_algorithm,
-                                              speculative_tree=tree,
                                               check=(self.scheduler.check_request
                                                      if self.args.dllm_algorithm else None))
         # Start-up objects (model, executables, tokenizer) live as long as the engine: freezing

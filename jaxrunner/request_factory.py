@@ -30,16 +30,13 @@ class RequestFactory:
 
     def __init__(self, vocab_size: int, eos_token_ids, max_req_len: int,
                  grammar_cache: GrammarCache | None, has_tokenizer: bool, random_seed: int,
-                 speculative: str | None = None, check: Callable[[Req], None] | None = None,
-                 speculative_tree: bool = False):
+                 speculative: str | None = None, check: Callable[[Req], None] | None = None):
         """`max_req_len`: the most tokens (prompt + output) one request may reach.
         `grammar_cache` None: no tokenizer, so no grammars. `speculative`: the engine's
         speculative algorithm (its verify rounds accept by temperature / top-k / top-p / min-p
         only, so options that change the sampler are refused). `check`: the scheduler's own
-        refusals (a block-diffusion LM's, `DllmScheduler.check_request`), raising ValueError.
-        `speculative_tree`: the engine drafts trees, which accept greedily only."""
+        refusals (a block-diffusion LM's, `DllmScheduler.check_request`), raising ValueError."""
         self.speculative = speculative
-        self.speculative_tree = speculative_tree
         self.check = check
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -121,8 +118,6 @@ class RequestFactory:
             bad.append("top_logprobs_num")
         if start >= 0:
             bad.append("prompt logprobs (logprob_start_len)")
-        if self.speculative_tree and not params.is_greedy:
-            bad.append("sampling (temperature > 0) with tree drafting (speculative_eagle_topk > 1)")
         if bad:
             raise ValueError(f"{', '.join(bad)} not implemented with speculative decoding "
                              f"({self.speculative})")

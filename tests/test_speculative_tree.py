@@ -1,5 +1,6 @@
 """Tree drafting (speculative_eagle_topk > 1): the tree's construction, greedy acceptance along
-it and the accepted path's KV move, on small hand-made cases; then end to end, a standalone
+it and the accepted path's KV move, on small hand-made cases; sampled acceptance keeps the
+target's distribution (chi-square, and a wrong rule fails it); then end to end, a standalone
 draft that is the target keeps the greedy tokens and accepts the tree's full depth."""
 
 import jax.numpy as jnp
@@ -7,11 +8,13 @@ import numpy as np
 import pytest
 
 from jaxrunner import Engine
-from jaxrunner.request_factory import RequestFactory
+from jaxrunner.sampling_batch import SamplingBatch
+from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.speculative.tree import (accept_tree_greedy, ancestry, compact_path_kv, expand,
                                         select)
-from tests.test_engine import assert_no_kv_cache_copy
-from tests.test_speculative import run, workload
+from jaxrunner.speculative.tree_sampling import accept_tree_sampled
+from tests.test_engine import CompileCounter, assert_no_kv_cache_copy
+from tests.test_speculative import _chi2_pvalue, _target_first_token_probs, run, workload
 
 # 8 nodes: the 7 best of the tree's 10 candidates. The full-depth check needs the target's
 # greedy path to survive the pruning by cumulative score (SGLang's rule, which does not promise
@@ -111,11 +114,19 @@ def test_a_tree_keeps_the_greedy_tokens_and_accepts_the_full_depth(checkpoint, e
     prompts, params = workload(1024)
     want = [o["output_ids"] for o in run(path, engine_kwargs, prompts, params)]
 
-    def in_place(engine):  # the tree steps (and the path's KV move) copy no KV cache
+    def more_checks(engine):
+        # The tree steps (and the path's KV move) copy no KV cache.
         assert_no_kv_cache_copy(engine.runner)
         assert_no_kv_cache_copy(engine.worker.draft)
+        # Sampled requests run through the same executables, reproducibly by seed.
+        sampled = [{"max_new_tokens": 9, "temperature": 0.9, "seed": seed, "ignore_eos": True}
+                   for seed in (5, 5, 6)]
+        with CompileCounter() as counter:
+            outs = engine.generate(input_ids=[prompts[0]] * 3, sampling_params=sampled)
+        assert counter.count == 0
+        assert outs[0]["output_ids"] == outs[1]["output_ids"] != outs[2]["output_ids"]
 
-    outs = run(path, engine_kwargs, prompts, params, check=in_place, **TREE,
+    outs = run(path, engine_kwargs, prompts, params, check=more_checks, **TREE,
                speculative_draft_model_path=str(path))
     assert [o["output_ids"] for o in outs] == want
     for out, p in zip(outs, params):
@@ -123,15 +134,44 @@ def test_a_tree_keeps_the_greedy_tokens_and_accepts_the_full_depth(checkpoint, e
         assert out["meta_info"]["spec_verify_ct"] == rounds
 
 
-def test_sampled_requests_are_refused_with_trees():
-    """Trees accept greedily only: a sampled request is refused by name, not run as greedy."""
-    def factory(tree):
-        return RequestFactory(64, [0], 128, None, False, 0, speculative="STANDALONE",
-                              speculative_tree=tree)
-    factory(True).make([1, 2, 3], {"temperature": 0.0})
-    factory(False).make([1, 2, 3], {"temperature": 0.8})
-    with pytest.raises(ValueError, match="tree drafting"):
-        factory(True).make([1, 2, 3], {"temperature": 0.8})
+def _tree_samples(logits, tokens, n):
+    """The accepted lengths and tokens of n verify steps over the same logits and tree
+    (`PARENTS`), each with its own seed: temperature 1, top-k 6, top-p 0.9."""
+    params = [SamplingParams(temperature=1.0, top_k=6, top_p=0.9).normalized()] * n
+    batch = SamplingBatch.from_params(params, [0] * n, list(range(n)), n)
+    N, V = logits.shape
+    accept, out, _, _ = accept_tree_sampled(
+        jnp.broadcast_to(logits, (n, N, V)), jnp.broadcast_to(jnp.asarray(tokens), (n, N)),
+        jnp.broadcast_to(jnp.asarray(PARENTS), (n, N)), jnp.full(n, 3), jnp.ones((n, N), bool),
+        batch, 3)
+    return np.asarray(accept), np.asarray(out)
+
+
+def test_tree_sampling_keeps_the_targets_distribution_and_a_wrong_rule_does_not():
+    rng = np.random.default_rng(1)
+    V, n = 12, 20000
+    logits = (2.0 * rng.standard_normal((6, V))).astype(np.float32)
+    probs = _target_first_token_probs(logits)
+    order = np.argsort(-probs)
+    # The root's children are the target's two most likely tokens; slot 1 has child 3.
+    tokens = np.array([0, order[0], order[1], 3, 5, 7], np.int32)
+    accept, out = _tree_samples(jnp.asarray(logits), tokens, n)
+    first = out[:, 0]
+    assert _chi2_pvalue(np.bincount(first, minlength=V), probs) > 1e-3
+    # Every branch ran: the first child, the second after it, neither.
+    for token in (order[0], order[1]):
+        assert 0.05 < np.mean(first == token) < 0.95
+    assert 0.02 < np.mean(accept == 0) < 0.95
+    # One level down: after the first child, the next token has slot 1's distribution.
+    second = out[first == order[0], 1]
+    assert _chi2_pvalue(np.bincount(second, minlength=V), _target_first_token_probs(logits[1:])
+                        ) > 1e-3
+    # A wrong rule: when both children are rejected, draw from p rather than from p without
+    # them (the siblings' residual).
+    wrong = first.copy()
+    redo = accept == 0
+    wrong[redo] = rng.choice(V, size=int(redo.sum()), p=probs)
+    assert _chi2_pvalue(np.bincount(wrong, minlength=V), probs) < 1e-6
 
 
 @pytest.mark.parametrize("spec,message", [

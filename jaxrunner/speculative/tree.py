@@ -71,11 +71,20 @@ def accept_tree_greedy(logits: jax.Array, tokens: jax.Array, parents: jax.Array,
     at_depth = best_sees[:, None, :] & (depth[:, None, :] == jnp.arange(N)[None, :, None])
     path = jnp.where(jnp.arange(N)[None, :] <= accept_len[:, None],
                      jnp.argmax(at_depth, axis=-1), 0).astype(jnp.int32)  # [R, N]
+    last = jnp.take_along_axis(argmax, best[:, None], axis=1)[:, 0]
+    return path_outputs(logits, tokens, path, accept_len, last)
+
+
+def path_outputs(logits, tokens, path, accept_len, last):
+    """What a round gives a request from its accepted path (path i32[R, N] of slots by depth,
+    accept_len i32[R]) and its last token i32[R] (the target's own): (accept_len, tokens
+    i32[R, N]: the path's drafts then the last token, logprobs f32[R, N] of those tokens under
+    the model's logits at the node before them, path)."""
+    N = tokens.shape[1]
     d = jnp.arange(N)[None, :]
     next_node = jnp.take_along_axis(tokens, jnp.roll(path, -1, axis=1), axis=1)
-    last = jnp.take_along_axis(argmax, best[:, None], axis=1)
     out = jnp.where(d < accept_len[:, None], next_node,
-                    jnp.where(d == accept_len[:, None], last, 0))
+                    jnp.where(d == accept_len[:, None], last[:, None], 0))
     # Token d is predicted at the path's node of depth d.
     path_logits = jnp.take_along_axis(logits, path[..., None], axis=1)      # [R, N, V]
     chosen = jnp.take_along_axis(path_logits, out[..., None], axis=-1)[..., 0]

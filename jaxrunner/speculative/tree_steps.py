@@ -17,9 +17,11 @@ from flax import nnx
 
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.memory_pool import DUMMY_PAGE
+from jaxrunner.sampling_params import GREEDY_TEMPERATURE
 from jaxrunner.speculative.steps import DraftState, VerifyOutput
 from jaxrunner.speculative.tree import (accept_tree_greedy, compact_path_kv, expand, select,
                                         tree_attention_inputs)
+from jaxrunner.speculative.tree_sampling import accept_tree_sampled
 
 
 def _real(fb: ForwardBatch) -> jax.Array:
@@ -80,8 +82,8 @@ def tree_draft_step(graphdef, backend, moe_runner, topk: int, num_steps: int, st
 def tree_verify_step(graphdef, backend, moe_runner, num_steps: int, state, kv_cache,
                      fb: ForwardBatch):
     """TARGET_VERIFY of a tree: the target over each request's N nodes (read from the draft's
-    buffers), greedy acceptance along the tree, the accepted path's KV moved next to the
-    prefix. Greedy only: sampled requests are refused with trees (RequestFactory)."""
+    buffers), acceptance along the tree (greedy rows by exact match, sampled ones losslessly:
+    `speculative.tree_sampling`), the accepted path's KV moved next to the prefix."""
     info = fb.spec_info
     fb = fb.prepare()
     R = fb.batch_size
@@ -96,8 +98,17 @@ def tree_verify_step(graphdef, backend, moe_runner, num_steps: int, state, kv_ca
     window_slots = fb.out_cache_loc.reshape(R, N)
     page_size = kv_cache.shape[2]  # the cache is [L, pages, page_size, 2 K, D]
     has_kv = window_slots // page_size != DUMMY_PAGE  # slots past the context: none
-    accept_len, out, logprobs, path = accept_tree_greedy(logits, tokens, parents,
-                                                         info.num_drafts, has_kv, num_steps)
+    args = (logits, tokens, parents, info.num_drafts, has_kv)
+    greedy = accept_tree_greedy(*args, num_steps)
+    is_greedy = info.sampling.temperatures < GREEDY_TEMPERATURE
+
+    def with_sampled_rows():
+        sampled = accept_tree_sampled(*args, info.sampling, num_steps)
+        return jax.tree.map(lambda g, x: jnp.where(
+            is_greedy.reshape((R,) + (1,) * (g.ndim - 1)), g, x), greedy, sampled)
+
+    accept_len, out, logprobs, path = jax.lax.cond(jnp.all(is_greedy), lambda: greedy,
+                                                   with_sampled_rows)
     kv_cache = compact_path_kv(kv_cache, window_slots, path, accept_len)
     return VerifyOutput(accept_len, out, logprobs, hidden[:0]), kv_cache
 
