@@ -19,7 +19,7 @@ from jax import lax
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.forward_batch import ForwardBatch
-from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible
+from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible, word_columns
 
 # (query tokens per block, KV tokens per loop step) by mode, measured on a 2-core CPU (small
 # model shapes, f32): decode at batch 64 and 680 cached tokens takes 39 ms a layer with 32-token
@@ -159,7 +159,8 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
         mask = visible & in_request[:, None, :]                           # and own request
         if meta.block_tree is not None:  # of the new tokens, only the row's tree ancestors
             rel = kv_pos[None, None, :] - meta.block_new_start[:, None, None]
-            mask &= tree_visible(meta.block_tree, jnp.broadcast_to(rel, mask.shape))
+            mask &= tree_visible(word_columns(meta.block_tree),
+                                 jnp.broadcast_to(rel, mask.shape))
         if cfg.sliding_window is not None:
             mask &= kv_pos > pos - cfg.sliding_window
         mask = mask[:, :, None, None, :]

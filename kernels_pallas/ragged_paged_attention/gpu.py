@@ -61,7 +61,7 @@ def _attend(
     l_ref,  # f32[rows]: running sum of this split
     *,
     bound_ref,  # i32[rows]: each row's KV bound (0 for rows past the item), or None: causal
-    tree_ref,  # i32[rows, NW]: each row's tree-mask words (`tree_mask.py`), or None
+    tree_ref,  # i32[NW, rows]: each row's tree-mask words (`tree_mask.py`), or None
     start_ref,  # i32[rows]: KV position of the row's sequence's first new token, or None
     sm_scale: float,
     sliding_window: int | None,
@@ -114,7 +114,8 @@ def _attend(
             visible = k_pos[None, :] < row_bound[:, None]
         mask = (row_token < end_token) & visible
         if tree_ref is not None:  # of the sequence's new tokens, only the row's tree ancestors
-            mask &= tree_visible(tree_ref[...], k_pos[None, :] - start_ref[...][:, None])
+            words = [tree_ref[w][:, None] for w in range(tree_ref.shape[0])]
+            mask &= tree_visible(words, k_pos[None, :] - start_ref[...][:, None])
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos - sliding_window
         s = jnp.where(mask, s, MASK_VALUE)
@@ -233,11 +234,11 @@ def ragged_paged_attention_gpu(
         # Per work row, like the bounds: the token's words, and where its sequence's new tokens
         # start (what bit 0 of the words stands for).
         seq, _, _ = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
-        words = jnp.repeat(kv_tree_mask[token], group_padded, axis=1)   # [num_work, rows, NW]
+        words = jnp.repeat(kv_tree_mask[token], group_padded, axis=1).transpose(0, 2, 1)
         start = (kv_lens - (cu_q_lens[1:] - cu_q_lens[:-1]))[seq][token]
         inputs += [words, jnp.repeat(start, group_padded, axis=1).astype(jnp.int32)]
         in_specs += [
-            pl.BlockSpec((None, rows, kv_tree_mask.shape[1]),
+            pl.BlockSpec((None, kv_tree_mask.shape[1], rows),  # [num_work, NW, rows]
                          lambda item, head, split: (item, 0, 0)),
             pl.BlockSpec((None, rows), lambda item, head, split: (item, 0))]
     kernel = functools.partial(

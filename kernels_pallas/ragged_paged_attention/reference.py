@@ -9,7 +9,7 @@ backend, and what `"auto"` picks on CPU. It jits, but memory grows with
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible
+from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible, word_columns
 
 # Query tokens processed together by `lax.map`; bounds the gathered KV held at once.
 _TOKENS_PER_MAP_STEP = 16
@@ -72,7 +72,7 @@ def ragged_paged_attention_reference(
         k_pos = jnp.arange(max_kv_len)
         visible = real & (k_pos < bound) & (k_pos < kv_lens[seq])
         if kv_tree_mask is not None:
-            visible &= tree_visible(tree[None, :], (k_pos - start)[None, :])[0]
+            visible &= tree_visible(word_columns(tree[None, :]), (k_pos - start)[None, :])[0]
         if sliding_window is not None:
             visible &= k_pos > pos - sliding_window
         q_t = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)

@@ -238,7 +238,9 @@ def _attend(
             visible = k_pos < bound_ref[...][:, :1]
         mask = (row_token >= first_token) & (row_token < end_token) & visible
         if tree_ref is not None:  # of the sequence's new tokens, only the row's tree ancestors
-            mask &= tree_visible(tree_ref[...][:, :tree_words], k_pos - new_start)
+            words = tree_ref[...]
+            mask &= tree_visible([words[:, w:w + 1] for w in range(tree_words)],
+                                 k_pos - new_start)
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         # Slots past kv_len hold stale or NaN data; 0 * NaN in p @ v would poison the sum.

@@ -29,16 +29,21 @@ def check_tree_mask(tree_mask, num_tokens: int) -> None:
 
 def tree_visible(words, rel):
     """bool of rel's shape: whether a row sees the key `rel` slots after its request's first new
-    token (rel < 0: a prefix key, always). `words` i32[..., NW] broadcasts against rel[..., K]
-    over the leading axes (one row's words, for each of its keys)."""
-    num_words = words.shape[-1]
+    token (rel < 0: a prefix key, always). `words`: the row's mask words, one array per word
+    that broadcasts against rel[..., K] (e.g. [..., 1]; a sequence, so a kernel can load each
+    word whole: Triton has no lane slices)."""
     bits = jnp.zeros(rel.shape, jnp.int32)
     word_of_key = rel >> 5
-    for w in range(num_words):  # static: one or two words
-        bits = jnp.where(word_of_key == w, words[..., w:w + 1], bits)
-    in_tree = (rel >= 0) & (rel < 32 * num_words)
+    for w, word in enumerate(words):  # static: one or two words
+        bits = jnp.where(word_of_key == w, word, bits)
+    in_tree = (rel >= 0) & (rel < 32 * len(words))
     bit = lax.shift_right_logical(bits, jnp.where(in_tree, rel & 31, 0)) & 1
     return (rel < 0) | (in_tree & (bit != 0))
+
+
+def word_columns(words) -> list:
+    """i32[..., NW] -> NW arrays i32[..., 1]: `tree_visible`'s words of jnp arrays."""
+    return [words[..., w:w + 1] for w in range(words.shape[-1])]
 
 
 def pack_tree_mask(visible) -> jax.Array:
