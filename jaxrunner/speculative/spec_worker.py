@@ -86,6 +86,11 @@ class SpeculativeWorker:
         heads = self.algorithm in HEADS
         # Trees (a standalone draft only; EngineArgs refuses the rest): speculative.tree.
         self.tree_steps = args.speculative_num_steps if args.speculative_eagle_topk > 1 else 0
+        if self.tree_steps and (model_config.sliding_window or draft_config.sliding_window):
+            # The kernels count a window back from a token's KV slot, a tree node's position is
+            # its depth: the window would be off by the node's slot minus its depth.
+            raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not implemented for "
+                             "sliding-window attention models")
         plan = SpeculativePlan(
             tree_steps=self.tree_steps,
             window=window,
