@@ -372,6 +372,10 @@ class EngineArgs:
                              f"draft tree: speculative_eagle_topk={topk} with "
                              f"speculative_num_steps={steps} drafts its root and {topk} nodes "
                              f"per level in the window, at least {frontier}")
+        candidates = topk + (steps - 1) * topk * topk  # the root's children, then K per node
+        if tokens - 1 > candidates:
+            raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the root and the "
+                             f"{candidates} candidates that {steps} steps of top-{topk} draft")
         if tokens > 64:
             raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the 64 tree "
                              f"tokens the attention mask holds")
