@@ -122,8 +122,8 @@ class EngineArgs:
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int = 3
-    # Branches per draft step: 1 drafts a chain; > 1 is tree drafting, not implemented (it
-    # raises at start-up).
+    # Branches per draft step: 1 drafts a chain; > 1 drafts a tree (STANDALONE drafts only;
+    # jaxrunner/speculative/tree.py) of speculative_num_draft_tokens nodes.
     speculative_eagle_topk: int = 1
     # Tokens one verify step checks per request; None: speculative_num_steps + 1 (a chain).
     speculative_num_draft_tokens: int | None = None
@@ -351,14 +351,34 @@ class EngineArgs:
                 raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds what "
                                  f"{steps} steps of top-{topk} can draft")
         if topk > 1:
-            raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not implemented; "
-                             "use speculative_eagle_topk=1 (a chain)")
+            self._check_tree(topk, steps, self.speculative_window)
         if self.enable_mixed_chunk:
             raise ValueError("enable_mixed_chunk cannot be combined with speculative decoding "
                              "(decoding requests run verify steps, not one-token rows)")
         if self.dp_size > 1:
             raise ValueError("speculative decoding with dp_size > 1 (DP attention) is not "
                              "implemented")
+
+    def _check_tree(self, topk: int, steps: int, tokens: int) -> None:
+        """Tree drafting (jaxrunner/speculative/tree.py): what it implements and needs."""
+        if self.speculative_algorithm != "STANDALONE":
+            raise ValueError(f"speculative_eagle_topk > 1 (tree drafting) is implemented for "
+                             f"speculative_algorithm 'STANDALONE' only, not "
+                             f"{self.speculative_algorithm!r}; use speculative_eagle_topk=1")
+        # The frontier of every step but the last lives in the verify window while drafting.
+        frontier = 1 + topk * (steps - 1)
+        if tokens < frontier:
+            raise ValueError(f"speculative_num_draft_tokens ({tokens}) is too small for the "
+                             f"draft tree: speculative_eagle_topk={topk} with "
+                             f"speculative_num_steps={steps} drafts its root and {topk} nodes "
+                             f"per level in the window, at least {frontier}")
+        candidates = topk + (steps - 1) * topk * topk  # the root's children, then K per node
+        if tokens - 1 > candidates:
+            raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the root and the "
+                             f"{candidates} candidates that {steps} steps of top-{topk} draft")
+        if tokens > 64:
+            raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the 64 tree "
+                             f"tokens the attention mask holds")
 
     @property
     def speculative_window(self) -> int:

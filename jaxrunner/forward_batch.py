@@ -67,6 +67,10 @@ class ForwardBatch:
     # i32[T]: token t attends to KV positions < kv_bound[t] (block-diffusion steps fill it, see
     # jaxrunner/dllm/); None: causal, position + 1.
     kv_bound: jax.Array | None = None
+    # i32[T, NW]: a draft tree's verify step: bit j of token t's words (kernels_pallas/
+    # ragged_paged_attention/tree_mask.py) says whether it sees its request's j-th new token,
+    # ANDed with the causal rule; None: no tree.
+    kv_tree_mask: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -57,6 +57,7 @@ from jaxrunner.sampling_step import (TOP_LOGPROBS, SamplerOutput, sampling_step,
 from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.spec_info import VerifyInput
 from jaxrunner.speculative.steps import captured_hidden, verify_step
+from jaxrunner.speculative.tree_steps import tree_verify_step
 from jaxrunner.split_prefill_step import abstract_layer_range, split_prefill_step
 from kernels_pallas import lowering
 from models import quant_config
@@ -114,6 +115,7 @@ class SpeculativePlan:
     draft_buffer: bool             # verify reads the draft model's token buffer [S, W]; else
     #                                the drafts come from the host [R, D] (NGRAM)
     draft_kv_bytes_per_token: int  # the draft's KV, on the same pages as the target's
+    tree_steps: int = 0            # a draft tree's levels (jaxrunner/speculative/tree.py); 0: chain
 
 
 def _forward_step(graphdef, backend, moe_runner, aux_layers, state, kv_cache, fb: ForwardBatch,
@@ -569,6 +571,9 @@ class ModelRunner:
                            self.aux_layers, dllm_block=self.dllm.block_size)
         if mode == ForwardMode.SPLIT_PREFILL:
             return partial(split_prefill_step, self.graphdef, self.attn_backend, self.moe_runner)
+        if mode == ForwardMode.TARGET_VERIFY and self.speculative.tree_steps:
+            return partial(tree_verify_step, self.graphdef, self.attn_backend, self.moe_runner,
+                           self.speculative.tree_steps)
         if mode == ForwardMode.TARGET_VERIFY:
             return partial(verify_step, self.graphdef, self.attn_backend, self.moe_runner,
                            self.aux_layers, self.speculative.capture)
@@ -700,8 +705,9 @@ class ModelRunner:
         # The draft model's token buffer: a row per request slot, and a trash row.
         slots = self.req_to_token_pools[0].num_slots + 1
         drafts = i32(slots, plan.window) if plan.draft_buffer else i32(R, plan.window - 1)
+        parents = i32(slots, plan.window) if plan.tree_steps else None
         return VerifyInput(drafts=drafts, slots=i32(R), num_drafts=i32(R),
-                           sampling=abstract_sampling_batch(R))
+                           sampling=abstract_sampling_batch(R), parents=parents)
 
     def input_embeds_for(self, *batches: ModelWorkerBatch) -> jax.Array:
         """The override buffer of a step (one batch, or one per DP rank): the resident zeros,

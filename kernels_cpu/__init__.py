@@ -23,10 +23,12 @@ import jaxlib
 import numpy as np
 
 from kernels_pallas.ragged_paged_attention import FP8_DTYPES, check_static_args
+from kernels_pallas.ragged_paged_attention.reference import token_metadata
 
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
 _TARGET = "jaxrunner_ragged_paged_attention"
 _TARGET_BOUNDED = "jaxrunner_ragged_paged_attention_bounded"
+_TARGET_TREE = "jaxrunner_ragged_paged_attention_tree"
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast"]
 
 
@@ -112,9 +114,10 @@ def runnable_levels() -> list[str]:
     return [level for level, need in X86_LEVELS.items() if flags.issuperset(need)]
 
 
-def _targets(march: str | None) -> tuple[str, str]:
+def _targets(march: str | None) -> tuple[str, str, str]:
+    """The causal, bounded and tree-masked targets of a build."""
     suffix = "" if march is None else "_" + march.replace("-", "_")
-    return _TARGET + suffix, _TARGET_BOUNDED + suffix
+    return _TARGET + suffix, _TARGET_BOUNDED + suffix, _TARGET_TREE + suffix
 
 
 @functools.cache
@@ -131,11 +134,14 @@ def load(march: str | None = None) -> None:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:
         raise KernelBuildError(f"loading {path} failed: {e}") from e
-    causal, bounded = _targets(march)
+    causal, bounded, tree = _targets(march)
     jax.ffi.register_ffi_target(causal, jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttention),
                                 platform="cpu")
     jax.ffi.register_ffi_target(bounded,
                                 jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttentionBounded),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(tree,
+                                jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttentionTree),
                                 platform="cpu")
 
 
@@ -149,9 +155,15 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def causal_bound(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
+    """i32[num_tokens]: each token's causal KV bound (its position + 1)."""
+    _, positions, _ = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    return (positions + 1).astype(np.int32)
+
+
 def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None, kv_bound=None,
+                               soft_cap: float | None = None, kv_bound=None, kv_tree_mask=None,
                                march: str | None = None):
     """Ragged paged attention on the CPU; see `kernels_pallas.ragged_paged_attention`.
 
@@ -160,7 +172,7 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     of X86_LEVELS (see `load`) instead of the native one.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap, kv_bound)
+                      sliding_window, soft_cap, kv_bound, kv_tree_mask)
     if kv_cache.dtype in FP8_DTYPES:
         if q.dtype != np.float32:
             raise ValueError(f"ragged_paged_attention_cpu with a {kv_cache.dtype} cache takes "
@@ -168,9 +180,13 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     elif q.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):
         raise ValueError(f"ragged_paged_attention_cpu takes f32 or bf16, got {q.dtype}")
     load(march)
-    causal, bounded = _targets(march)
+    causal, bounded, tree = _targets(march)
     # A causal call keeps the original target, so its executables do not change.
     target, bound = (causal, ()) if kv_bound is None else (bounded, (kv_bound,))
+    if kv_tree_mask is not None:  # the tree's binding takes a bound: the causal one if none
+        if kv_bound is None:
+            kv_bound = causal_bound(kv_lens, cu_q_lens, num_seqs, q.shape[0])
+        target, bound = tree, (kv_bound, kv_tree_mask)
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *bound,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),

@@ -267,7 +267,26 @@ struct Problem {
   float sm_scale, soft_cap;  // soft_cap 0: none
   int64_t window;            // 0: none
   const int32_t* bound;      // [num_tokens]: token t sees KV positions < bound[t]; null: causal
+  // [num_tokens, tree_words]: a draft tree's mask (kernels_pallas/ragged_paged_attention/
+  // tree_mask.py): bit j says whether token t sees its sequence's j-th new token; null: none.
+  const int32_t* tree;
+  int64_t tree_words;
 };
+
+// The tree mask of token t for the kLanes keys from `rel` (key - its sequence's first new
+// token): prefix keys (rel < 0) are kept, new ones where t's bit is set.
+template <typename T>
+inline vi tree_keep(const Problem<T>& P, int64_t t, int64_t rel) {
+  const int32_t* words = P.tree + t * P.tree_words;
+  vi out;
+  for (int i = 0; i < kLanes; ++i) {
+    const int64_t j = rel + i;
+    const bool seen = j < 0 || (j < 32 * P.tree_words &&
+                                ((uint32_t(words[j >> 5]) >> (j & 31)) & 1u));
+    out[i] = seen ? -1 : 0;
+  }
+  return out;
+}
 
 struct Item {
   int32_t seq, kv_head, token_begin, token_end;
@@ -491,12 +510,17 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
       for (int j = 0; j < kTileVecs; ++j) {
         vi idx;
         for (int i = 0; i < kLanes; ++i) idx[i] = j * kLanes + i;
-        const vi keep = (idx >= int32_t(lo)) & (idx < int32_t(hi));
+        vi keep = (idx >= int32_t(lo)) & (idx < int32_t(hi));
+        if (P.tree) keep &= tree_keep(P, it.token_begin + r / G, c0 + j * kLanes - first_pos);
         const vf x = keep ? load(sr + j * kLanes) : splat(kNegInf);
         store(sr + j * kLanes, x);
         mx = vmax(mx, x);
       }
       const float m_new = std::max(m[r], hmax(mx));
+      if (m_new == kNegInf) {  // the tree hides every key so far: contributes p = 0
+        std::fill(sr, sr + kTile, 0.f);
+        continue;
+      }
       const float correction = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
       vf sum = {};
       for (int j = 0; j < kTileVecs; ++j) {
@@ -575,8 +599,9 @@ template <typename T>
 ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-               const int32_t* bound, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
-               float soft_cap, int64_t sliding_window) {
+               const int32_t* bound, const int32_t* tree, int64_t tree_words,
+               ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
+               int64_t sliding_window) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = kv.dimensions();
   if (q_dims.size() != 3 || kv_dims.size() != 4 || page_indices.dimensions().size() != 2)
@@ -601,6 +626,8 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   P->soft_cap = soft_cap;
   P->window = sliding_window;
   P->bound = bound;
+  P->tree = tree;
+  P->tree_words = tree_words;
 
   const int64_t max_num_seqs = kv_lens.element_count();
   const int32_t seqs = std::clamp<int32_t>(num_seqs.typed_data()[0], 0, int32_t(max_num_seqs));
@@ -627,8 +654,9 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
 ffi::Error dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                    const int32_t* bound, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
-                    float soft_cap, int64_t sliding_window) {
+                    const int32_t* bound, const int32_t* tree, int64_t tree_words,
+                    ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
+                    int64_t sliding_window) {
   if (out->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("ragged_paged_attention: q and out dtypes differ");
   const bool fp8 = kv.element_type() == ffi::F8E4M3FN || kv.element_type() == ffi::F8E5M2;
@@ -639,7 +667,7 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   // The kernel for the cache's element type (a value of it names the type).
   auto with = [&](auto element) {
     return run<decltype(element)>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, bound,
-                                  out, sm_scale, soft_cap, sliding_window);
+                                  tree, tree_words, out, sm_scale, soft_cap, sliding_window);
   };
   switch (kv.element_type()) {
     case ffi::F8E4M3FN: return with(F8E4M3{});
@@ -658,8 +686,8 @@ ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
                                   ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                                   ffi::Result<ffi::AnyBuffer> out, float sm_scale,
                                   float soft_cap, int64_t sliding_window) {
-  return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, nullptr, out,
-                  sm_scale, soft_cap, sliding_window);
+  return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, nullptr, nullptr, 0,
+                  out, sm_scale, soft_cap, sliding_window);
 }
 
 // The same with a per-token KV bound (block-diffusion and other non-causal extends).
@@ -671,13 +699,32 @@ ffi::Error ragged_paged_attention_bounded(
   if (kv_bound.element_count() != q.dimensions()[0])
     return ffi::Error::InvalidArgument("ragged_paged_attention: kv_bound must be [num_tokens]");
   return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  kv_bound.typed_data(), out, sm_scale, soft_cap, sliding_window);
+                  kv_bound.typed_data(), nullptr, 0, out, sm_scale, soft_cap, sliding_window);
+}
+
+// The same with a bound and a draft tree's mask (speculative verify steps).
+ffi::Error ragged_paged_attention_tree(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
+    ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+    ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> kv_bound,
+    ffi::Buffer<ffi::S32> tree_mask, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+    float soft_cap, int64_t sliding_window) {
+  const int64_t num_tokens = q.dimensions()[0];
+  if (kv_bound.element_count() != num_tokens)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: kv_bound must be [num_tokens]");
+  const auto dims = tree_mask.dimensions();
+  if (dims.size() != 2 || dims[0] != num_tokens || dims[1] < 1)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: kv_tree_mask must be [num_tokens, words]");
+  return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs,
+                  kv_bound.typed_data(), tree_mask.typed_data(), dims[1], out, sm_scale,
+                  soft_cap, sliding_window);
 }
 
 }  // namespace
 
-// The two bindings differ in kv_bound only (XLA_FFI_DEFINE_HANDLER_SYMBOL wants the binding
-// spelled out).
+// The three bindings differ in kv_bound and kv_tree_mask only (XLA_FFI_DEFINE_HANDLER_SYMBOL
+// wants the binding spelled out).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttention, ragged_paged_attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -703,6 +750,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttentionBounded,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_bound
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttentionTree, ragged_paged_attention_tree,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_bound
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_tree_mask
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

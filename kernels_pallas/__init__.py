@@ -2,6 +2,7 @@
 
 from kernels_pallas.kv_cache import update_kv_cache, update_kv_cache_reference
 from kernels_pallas.ragged_paged_attention import (
+    pack_tree_mask,
     ragged_paged_attention,
     ragged_paged_attention_gpu,
     ragged_paged_attention_reference,
@@ -9,6 +10,7 @@ from kernels_pallas.ragged_paged_attention import (
 )
 
 __all__ = [
+    "pack_tree_mask",
     "ragged_paged_attention",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",

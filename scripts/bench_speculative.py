@@ -12,11 +12,13 @@ greedy, `--output-len` tokens each, timed after a warm-up. Workloads:
   models/random_checkpoint.py), what n-gram lookup is for (code edits, quoting, retrieval);
 - `random`: random prompts.
 Drafts: NGRAM needs none; STANDALONE uses `--draft-model-path` (default: the built-in
-`small-draft`, a 2-layer model of the same vocabulary); EAGLE and EAGLE3 random heads in their
+`small-draft`, a 2-layer model of the same vocabulary), and `STANDALONE-tree` the same draft
+drafting trees (`--tree-topk` branches per step, `--tree-draft-tokens` nodes); EAGLE and EAGLE3 random heads in their
 checkpoint formats (models/random_checkpoint.py). Random drafts are rarely right, so
 `--simulate-accept p` also runs each model-drafted algorithm with the acceptance forced (each
 draft kept with probability p, SGLang's simulated acceptance): the cost model of an algorithm
-independent of how good its draft is. Accept length is SGLang's: completion tokens / verify
+independent of how good its draft is (chains: the forced rule replaces the chain's acceptance,
+so trees are not simulated). Accept length is SGLang's: completion tokens / verify
 rounds.
 """
 
@@ -32,7 +34,7 @@ from jaxrunner import Engine
 from models.random_checkpoint import cached_checkpoint, make_eagle_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-ALGORITHMS = ("none", "NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+ALGORITHMS = ("none", "NGRAM", "STANDALONE", "STANDALONE-tree", "EAGLE", "EAGLE3")
 FIRST_ORDINARY_ID = 8
 
 
@@ -47,6 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--workloads", nargs="+", default=["repeat", "random"],
                    choices=("repeat", "random"))
     p.add_argument("--num-steps", type=int, default=4, help="speculative_num_steps")
+    p.add_argument("--tree-topk", type=int, default=2,
+                   help="STANDALONE-tree: speculative_eagle_topk")
+    p.add_argument("--tree-draft-tokens", type=int, default=8,
+                   help="STANDALONE-tree: speculative_num_draft_tokens")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--simulate-accept", type=float, nargs="*", default=[],
@@ -125,6 +131,10 @@ def engine_for(args, model_path, algorithm, draft_paths, cache=True):
                   disallow_compile_after_warmup=True, show_progress=False,
                   max_running_requests=max(args.batch_sizes),
                   max_prefill_tokens=max(256, args.prompt_len))
+    if algorithm == "STANDALONE-tree":
+        kwargs.update(speculative_eagle_topk=args.tree_topk,
+                      speculative_num_draft_tokens=args.tree_draft_tokens)
+        algorithm = "STANDALONE"
     if algorithm != "none":
         kwargs.update(speculative_algorithm=algorithm, speculative_num_steps=args.num_steps)
         if algorithm in draft_paths:
@@ -151,7 +161,7 @@ def main(argv=None) -> dict:
     runs, prompts = [], {}
     variants = [(a, None) for a in args.algorithms]
     variants += [(a, rate) for rate in args.simulate_accept
-                 for a in args.algorithms if a not in ("none", "NGRAM")]
+                 for a in args.algorithms if a not in ("none", "NGRAM", "STANDALONE-tree")]
     from jaxrunner.speculative import steps
     real_accept = steps.accept_drafts
     for algorithm, rate in variants:
@@ -187,6 +197,7 @@ def main(argv=None) -> dict:
     for r in runs:
         del r["output_ids"]
     result = {"machine": machine_info(), "model_path": model_path, "num_steps": args.num_steps,
+              "tree_topk": args.tree_topk, "tree_draft_tokens": args.tree_draft_tokens,
               "output_len": args.output_len, "runs": runs}
     emit(result, args.json_out)
     print_grid(["algorithm", "sim. accept", "workload", "batch", "tok/s", "accept len",

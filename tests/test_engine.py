@@ -223,7 +223,11 @@ def test_no_executable_copies_the_kv_cache(engine):
     or of any layer's pages, in any step means XLA could not update it in place, which costs a
     cache write per step. Two checks per executable: no HLO copy of a layer-sized array or
     larger, and scratch memory smaller than one layer's pages (a copy needs a buffer)."""
-    runner = engine.runner
+    assert_no_kv_cache_copy(engine.runner)
+
+
+def assert_no_kv_cache_copy(runner):
+    """`runner`'s executables update its donated KV cache in place (see the test above)."""
     pool = runner.token_to_kv_pool
     layer_elements = int(np.prod(pool.layer_shape))
     layer_bytes = layer_elements * pool.dtype.itemsize

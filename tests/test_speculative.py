@@ -51,7 +51,9 @@ def workload(vocab, n=16, seed=0):
     return prompts, params
 
 
-def run(model_path, engine_kwargs, prompts, params, **spec):
+def run(model_path, engine_kwargs, prompts, params, check=None, **spec):
+    """The outputs of `prompts` on an engine with `spec`, checked for compiles, refusals and
+    leaks; `check(engine)` checks more before it shuts down."""
     engine = Engine(model_path=str(model_path), **dict(engine_kwargs, **SPEC_ENGINE, **spec))
     try:
         half = len(prompts) // 2
@@ -68,6 +70,8 @@ def run(model_path, engine_kwargs, prompts, params, **spec):
         scheduler = engine.scheduler
         assert scheduler.allocator.num_free == scheduler.allocator.capacity, "pages leaked"
         assert scheduler.req_to_token_pool.num_free_slots == scheduler.req_to_token_pool.num_slots
+        if check is not None:
+            check(engine)
         return outs
     finally:
         engine.shutdown()

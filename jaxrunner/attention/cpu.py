@@ -29,5 +29,5 @@ class CpuAttentionBackend(AttentionBackend):
             forward_batch.page_table + offset,
             metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
             sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap,
-            kv_bound=forward_batch.kv_bound)
+            kv_bound=forward_batch.kv_bound, kv_tree_mask=forward_batch.kv_tree_mask)
         return out.astype(q.dtype), kv_cache

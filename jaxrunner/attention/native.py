@@ -19,6 +19,7 @@ from jax import lax
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.forward_batch import ForwardBatch
+from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible, word_columns
 
 # (query tokens per block, KV tokens per loop step) by mode, measured on a 2-core CPU (small
 # model shapes, f32): decode at batch 64 and 680 cached tokens takes 39 ms a layer with 32-token
@@ -44,6 +45,10 @@ class NativeMetadata:
     num_chunks: jax.Array    # i32[]: KV chunks the longest request needs
     # i32[NB, Bq]: KV end (exclusive) each row sees, from `ForwardBatch.kv_bound`; None: causal.
     block_bound: jax.Array | None = None
+    # i32[NB, Bq, NW]: each row's tree-mask words (`ForwardBatch.kv_tree_mask`), and i32[NB]:
+    # the KV position of the block's request's first new token (bit 0); None: no tree.
+    block_tree: jax.Array | None = None
+    block_new_start: jax.Array | None = None
 
     def replace(self, **changes) -> "NativeMetadata":
         return dataclasses.replace(self, **changes)
@@ -91,8 +96,13 @@ class NativeAttentionBackend(AttentionBackend):
         block_bound = None
         if fb.kv_bound is not None:
             block_bound = jnp.where(row_valid, fb.kv_bound[block_rows], 0).astype(jnp.int32)
+        block_tree = block_new_start = None
+        if fb.kv_tree_mask is not None:
+            block_tree = fb.kv_tree_mask[block_rows]
+            block_new_start = fb.extend_prefix_lens[block_req].astype(jnp.int32)
         return NativeMetadata(
-            block_rows=block_rows, block_bound=block_bound,
+            block_rows=block_rows, block_bound=block_bound, block_tree=block_tree,
+            block_new_start=block_new_start,
             block_pos=block_pos.astype(jnp.int32), block_kv_len=block_kv_len.astype(jnp.int32),
             block_pages=page_table[block_req],
             token_block=jnp.clip(token_block, 0, num_blocks - 1).astype(jnp.int32),
@@ -147,6 +157,10 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
         else:
             visible = kv_pos < meta.block_bound[..., None]
         mask = visible & in_request[:, None, :]                           # and own request
+        if meta.block_tree is not None:  # of the new tokens, only the row's tree ancestors
+            rel = kv_pos[None, None, :] - meta.block_new_start[:, None, None]
+            mask &= tree_visible(word_columns(meta.block_tree),
+                                 jnp.broadcast_to(rel, mask.shape))
         if cfg.sliding_window is not None:
             mask &= kv_pos > pos - cfg.sliding_window
         mask = mask[:, :, None, None, :]

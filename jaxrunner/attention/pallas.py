@@ -65,6 +65,6 @@ class PallasAttentionBackend(AttentionBackend):
             forward_batch.page_table + offset,
             metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
             sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap,
-            kv_bound=forward_batch.kv_bound,
+            kv_bound=forward_batch.kv_bound, kv_tree_mask=forward_batch.kv_tree_mask,
             backend=self.kernel, interpret=self.interpret)
         return out.astype(q.dtype), kv_cache

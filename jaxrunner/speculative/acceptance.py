@@ -58,11 +58,11 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
     return accept_len.astype(jnp.int32), tokens.astype(jnp.int32), logprobs
 
 
-def _speculative_sampling(logits, drafts, real, sampling: SamplingBatch, is_greedy):
-    """Accept draft k with probability p_k(d_k); at the first rejection draw from p_k without
-    d_k, else from the last p. Greedy rows give junk here (the caller overrides them)."""
+def target_log_probs(logits: jax.Array, sampling: SamplingBatch, is_greedy: jax.Array):
+    """logits f32[R, W, V] -> the target's log-distribution at each position as the sampler
+    defines it (temperature, then top-k / top-p / min-p; -inf where filtered out). Greedy rows
+    get temperature 1 (their callers use the argmax)."""
     R, W, V = logits.shape
-    D = W - 1
     temperatures = jnp.where(is_greedy, 1.0, sampling.temperatures)
     rows = jax.tree.map(lambda x: jnp.repeat(x, W), sampling)           # one per position
     scaled = (logits / temperatures[:, None, None]).reshape(R * W, V)
@@ -70,10 +70,22 @@ def _speculative_sampling(logits, drafts, real, sampling: SamplingBatch, is_gree
         sampling.min_ps > 0.0)
     scaled = jax.lax.cond(jnp.any(wants_filter & ~is_greedy),
                           lambda z: filter_logits(z, rows), lambda z: z, scaled)
-    log_p = jax.nn.log_softmax(scaled, axis=-1).reshape(R, W, V)        # -inf: filtered out
+    return jax.nn.log_softmax(scaled, axis=-1).reshape(R, W, V)
 
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(
+
+def request_keys(sampling: SamplingBatch) -> jax.Array:
+    """Each request's key of this step: fold_in(key(seed), its token count so far)."""
+    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(
         sampling.seeds, sampling.steps)
+
+
+def _speculative_sampling(logits, drafts, real, sampling: SamplingBatch, is_greedy):
+    """Accept draft k with probability p_k(d_k); at the first rejection draw from p_k without
+    d_k, else from the last p. Greedy rows give junk here (the caller overrides them)."""
+    R, W, V = logits.shape
+    D = W - 1
+    log_p = target_log_probs(logits, sampling, is_greedy)
+    keys = request_keys(sampling)
     uniforms = jax.vmap(lambda k: jax.vmap(
         lambda j: jax.random.uniform(jax.random.fold_in(k, j)))(jnp.arange(D)))(keys)  # [R, D]
     draft_log_p = jnp.take_along_axis(log_p[:, :D], drafts[..., None], axis=-1)[..., 0]

@@ -23,9 +23,11 @@ from jaxrunner.buckets import (Bucket, decode_buckets, extend_buckets, pick_buck
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.kv_cache import TokenToKVPool, kv_bytes_per_token
 from jaxrunner.model_runner import ForwardModeNotImplemented, ModelRunner, _forward_step
-from jaxrunner.speculative.spec_info import DraftDecodeInput, DraftExtendInput, DraftPrefillInput
+from jaxrunner.speculative.spec_info import (DraftDecodeInput, DraftExtendInput,
+                                             DraftPrefillInput, TreeCatchupInput, TreeDraftInput)
 from jaxrunner.speculative.steps import (DraftState, draft_decode_step, draft_extend_step,
                                          draft_prefill_step)
+from jaxrunner.speculative.tree_steps import tree_catchup_step, tree_draft_step
 from models.eagle import HEAD_CLASSES, IGNORED_TENSORS, DraftHeadConfig
 from models.loader import load_model
 from models.moe_parallel import MoeRunner
@@ -54,8 +56,12 @@ class DraftRunner(ModelRunner):
 
     state = None  # the draft's own weights, a plain attribute (the target's is `weights.state`)
 
-    def __init__(self, target: ModelRunner, kind: str, config, path: str, window: int):
+    def __init__(self, target: ModelRunner, kind: str, config, path: str, window: int,
+                 topk: int = 1, num_steps: int = 0):
+        """`topk` > 1: a standalone draft drafting trees of `num_steps` levels in the verify
+        window (jaxrunner/speculative/tree.py)."""
         self.target = target
+        self.topk, self.num_steps = topk, num_steps
         self.kind = kind
         self.head_config = config if kind in HEADS else None
         self.layer_config = config.layer if kind in HEADS else config
@@ -127,7 +133,13 @@ class DraftRunner(ModelRunner):
         self.draft_state = DraftState(
             tokens=jax.device_put(np.zeros((self.num_slots, self.window), np.int32), replicated),
             hidden=jax.device_put(np.zeros((self.num_slots, self.hidden_width), self.dtype),
-                                  replicated))
+                                  replicated),
+            parents=(jax.device_put(np.full((self.num_slots, self.window), -1, np.int32),
+                                    replicated) if self.tree else None))
+
+    @property
+    def tree(self) -> bool:
+        return self.topk > 1
 
     @property
     def trash_slot(self) -> int:
@@ -149,9 +161,11 @@ class DraftRunner(ModelRunner):
         args = self.args
         buckets = (extend_buckets(args.max_prefill_tokens, args.max_running_requests)
                    + decode_buckets(args.max_running_requests))
-        if self.head_config is not None:
+        if self.head_config is not None or self.tree:
             buckets += verify_buckets(args.max_running_requests, self.window,
                                       ForwardMode.DRAFT_EXTEND)
+        if self.tree:  # the tree step, over the verify window
+            buckets += verify_buckets(args.max_running_requests, self.window)
         return buckets
 
     def capture_for(self, bucket: Bucket) -> CaptureHiddenMode:
@@ -162,8 +176,8 @@ class DraftRunner(ModelRunner):
 
     def _program_fingerprint(self) -> tuple:
         # The draft's steps also take the target's weights (its embedding and LM head).
-        return (super()._program_fingerprint(), self.kind, self.window,
-                self.target._program_fingerprint())
+        return (super()._program_fingerprint(), self.kind, self.window, self.topk,
+                self.num_steps, self.target._program_fingerprint())
 
     # ---- the step programs ----
 
@@ -176,6 +190,11 @@ class DraftRunner(ModelRunner):
             return partial(draft_prefill_step, self.graphdef, backend, target)
         if mode == ForwardMode.DECODE:
             return partial(draft_decode_step, self.graphdef, backend, target)
+        if self.tree and mode == ForwardMode.TARGET_VERIFY:
+            return partial(tree_draft_step, self.graphdef, backend, self.moe_runner, self.topk,
+                           self.num_steps)
+        if self.tree and mode == ForwardMode.DRAFT_EXTEND:
+            return partial(tree_catchup_step, self.graphdef, backend, self.moe_runner)
         if mode == ForwardMode.DRAFT_EXTEND:
             return partial(draft_extend_step, self.graphdef, backend, target)
         raise ForwardModeNotImplemented(f"a draft runner has no forward mode {mode.name}")
@@ -204,14 +223,24 @@ class DraftRunner(ModelRunner):
             return None if self.head_config is None else DraftPrefillInput(i32(R), hidden)
         if bucket.mode == ForwardMode.DECODE:
             return DraftDecodeInput(i32(R), i32(), jax.ShapeDtypeStruct((R,), jnp.bool_))
+        if bucket.mode == ForwardMode.TARGET_VERIFY:
+            return TreeDraftInput(i32(R))
+        if self.tree:
+            return TreeCatchupInput(i32(R, self.window))
         return DraftExtendInput(i32(R), i32(R, self.window), i32(R), hidden)
 
     # ---- serving ----
 
     def forward_draft_extend(self, fb):
-        if self.head_config is None:
+        if self.head_config is None and not self.tree:
             return super().forward_draft_extend(fb)
         return self._replay(Bucket(ForwardMode.DRAFT_EXTEND, fb.num_tokens, fb.batch_size), fb)
+
+    def forward_target_verify(self, fb):
+        """A tree drafter's tree step (TARGET_VERIFY-shaped: the verify window)."""
+        if not self.tree:
+            raise ForwardModeNotImplemented("a chain draft runner has no TARGET_VERIFY step")
+        return self._replay(Bucket(ForwardMode.TARGET_VERIFY, fb.num_tokens, fb.batch_size), fb)
 
     def pick_bucket(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
         return pick_bucket(self.buckets, executable_mode(mode), num_tokens, num_reqs)

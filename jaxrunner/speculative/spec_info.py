@@ -19,6 +19,9 @@ class VerifyInput:
     slots: jax.Array           # i32[R]: request slot rows of `drafts` (model drafts), else 0
     num_drafts: jax.Array      # i32[R]: drafts that are real (n-gram lookup may find fewer)
     sampling: SamplingBatch    # [R] rows; greedy rows accept by exact match
+    # A draft tree's parent slots, the draft's buffer i32[S, W] read at `slots` (-1: the root);
+    # None for a chain (jaxrunner/speculative/tree.py).
+    parents: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -54,3 +57,21 @@ class DraftPrefillInput:
 
     slots: jax.Array           # i32[R]
     hidden_states: jax.Array   # [T, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TreeDraftInput:
+    """A standalone draft's tree step (over the verify step's window, W slots per request): it
+    writes each request's tree to its row of the draft buffers."""
+
+    slots: jax.Array           # i32[R]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TreeCatchupInput:
+    """A standalone draft's DRAFT_EXTEND after a tree verify: the draft over the window's last
+    known token and the accepted path (causal), so its KV holds the path as the target's does."""
+
+    tokens: jax.Array          # i32[R, W]: the verify step's accepted drafts, then its token

@@ -39,7 +39,8 @@ from jaxrunner.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.draft_runner import HEADS, DraftRunner, draft_kv_bytes_per_token
 from jaxrunner.speculative.ngram import NgramProposer
 from jaxrunner.speculative.spec_info import (DraftDecodeInput, DraftExtendInput,
-                                             DraftPrefillInput, VerifyInput)
+                                             DraftPrefillInput, TreeCatchupInput,
+                                             TreeDraftInput, VerifyInput)
 from models.config import ModelConfig
 from models.eagle import DraftHeadConfig
 
@@ -83,7 +84,15 @@ class SpeculativeWorker:
         dtype = jax.numpy.dtype(model_config.resolve_dtype(args.dtype))
         kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
         heads = self.algorithm in HEADS
+        # Trees (a standalone draft only; EngineArgs refuses the rest): speculative.tree.
+        self.tree_steps = args.speculative_num_steps if args.speculative_eagle_topk > 1 else 0
+        if self.tree_steps and (model_config.sliding_window or draft_config.sliding_window):
+            # The kernels count a window back from a token's KV slot, a tree node's position is
+            # its depth: the window would be off by the node's slot minus its depth.
+            raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not implemented for "
+                             "sliding-window attention models")
         plan = SpeculativePlan(
+            tree_steps=self.tree_steps,
             window=window,
             aux_layers=draft_config.aux_layer_ids if heads else (),
             capture=heads, draft_buffer=draft_config is not None,
@@ -92,7 +101,8 @@ class SpeculativeWorker:
         self.target = ModelWorker(args, model_config, compile_monitor, speculative=plan)
         runner = self.target.model_runner
         self.draft = (DraftRunner(runner, self.algorithm, draft_config,
-                                  args.speculative_draft_model_path, window)
+                                  args.speculative_draft_model_path, window,
+                                  args.speculative_eagle_topk, args.speculative_num_steps)
                       if draft_config is not None else None)
         self.ngram = (NgramProposer(args.speculative_ngram_max_match,
                                     args.speculative_ngram_min_match, self.num_drafts,
@@ -199,6 +209,8 @@ class SpeculativeWorker:
         """One round for `batch` (TARGET_VERIFY-shaped: W slots per request from its last
         known token, pages allocated for them); returns its accepted tokens. `limits[i]`: the
         most drafts request i may accept (its KV slots and output budget)."""
+        if self.tree_steps:
+            return self._tree_round(batch, limits)
         runner, draft = self.target.model_runner, self.draft
         R, D = batch.bucket.num_reqs, self.num_drafts
         n = batch.num_reqs
@@ -234,6 +246,30 @@ class SpeculativeWorker:
                 hidden_states=out.hidden_states)))
         elif draft is not None:
             self._draft_step(batch, slots, D, D, False)
+        accept_len, tokens, logprobs = jax.device_get((out.accept_len, out.tokens,
+                                                       out.logprobs))
+        return SpecRoundResult(accept_len[:n], tokens[:n], logprobs[:n])
+
+    def _tree_round(self, batch: ModelWorkerBatch, limits: list[int]) -> SpecRoundResult:
+        """A round with a draft tree (jaxrunner/speculative/tree.py): the draft's tree step over
+        the window, the target's tree verify, the draft's catch-up over the accepted path."""
+        runner, draft = self.target.model_runner, self.draft
+        R, n = batch.bucket.num_reqs, batch.num_reqs
+        num_drafts = np.zeros(R, np.int32)
+        num_drafts[:n] = np.clip(limits, 0, self.tree_steps)
+        slots, num_drafts = jax.device_put((self._slot_rows(batch), num_drafts))
+        fb, _ = ForwardBatch.init_new(batch, draft.no_prev_tokens, draft.no_input_embeds)
+        draft.forward(fb.replace(spec_info=TreeDraftInput(slots=slots)))
+        fb, sampling = ForwardBatch.init_new(batch, runner.no_prev_tokens, runner.no_input_embeds)
+        state = draft.draft_state
+        out = runner.forward(fb.replace(spec_info=VerifyInput(
+            drafts=state.tokens, slots=slots, num_drafts=num_drafts, sampling=sampling,
+            parents=state.parents)))
+        extend = dataclasses.replace(
+            batch, forward_mode=ForwardMode.DRAFT_EXTEND,
+            bucket=Bucket(ForwardMode.DRAFT_EXTEND, batch.bucket.num_tokens, R))
+        fb, _ = ForwardBatch.init_new(extend, draft.no_prev_tokens, draft.no_input_embeds)
+        draft.forward(fb.replace(spec_info=TreeCatchupInput(tokens=out.tokens)))
         accept_len, tokens, logprobs = jax.device_get((out.accept_len, out.tokens,
                                                        out.logprobs))
         return SpecRoundResult(accept_len[:n], tokens[:n], logprobs[:n])

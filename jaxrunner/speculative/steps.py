@@ -33,6 +33,8 @@ class VerifyOutput:
 class DraftState:
     tokens: jax.Array         # i32[S, D + 1]
     hidden: jax.Array         # [S, H]
+    # A draft tree's parent slots i32[S, W] (jaxrunner/speculative/tree.py); None: chains.
+    parents: jax.Array | None = None
 
 
 def captured_hidden(hidden, aux):

@@ -11,6 +11,7 @@ from kernels_pallas.ragged_paged_attention import gpu, tpu
 from kernels_pallas.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+from kernels_pallas.ragged_paged_attention.tree_mask import check_tree_mask, pack_tree_mask
 
 BACKENDS = ("auto", "tpu", "gpu", "reference")
 # 8-bit KV caches (scale 1): q stays in its own float dtype, K/V become floats as they are read.
@@ -18,7 +19,7 @@ FP8_DTYPES = (jax.numpy.dtype(jax.numpy.float8_e4m3fn), jax.numpy.dtype(jax.nump
 
 
 def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap, kv_bound=None):
+                      sliding_window, soft_cap, kv_bound=None, kv_tree_mask=None):
     """Checks shapes, dtypes and static options at trace time; raises ValueError if wrong."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
@@ -56,6 +57,7 @@ def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                  or kv_bound.dtype != jax.numpy.int32):
         raise ValueError(f"kv_bound must be i32[num_tokens] = i32[{q.shape[0]}], got "
                          f"{kv_bound.dtype}{list(kv_bound.shape)}")
+    check_tree_mask(kv_tree_mask, q.shape[0])
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
@@ -95,6 +97,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_bound=None,  # i32[T] or None
+    kv_tree_mask=None,  # i32[T, NW] or None
     backend: str = "auto",
     interpret: bool = False,
 ):
@@ -106,9 +109,9 @@ def ragged_paged_attention(
     attends to positions p with p <= its own and, with a sliding window, p > its own - window.
     With `kv_bound`, token t attends to positions p < kv_bound[t] (and < kv_len) instead of
     p <= its own: causal is kv_bound = position + 1, a block-diffusion block sees up to the
-    block's end. The sliding window still counts back from the token's own position. (A
-    tree-attention mask for speculative decoding would refine this: a bitmask over the W
-    positions below the bound, applied where the bound is.)
+    block's end. The sliding window still counts back from the token's own position. With
+    `kv_tree_mask` (a speculative verify step of a draft tree, `tree_mask.py`), a token sees
+    of its sequence's new tokens only those whose bits its mask row sets.
     Query head h uses KV head h // (num_q_heads // num_kv_heads). Only the first num_seqs[0]
     sequences are real; the output rows of padded tokens are finite but meaningless.
 
@@ -117,6 +120,7 @@ def ragged_paged_attention(
       sliding_window: attend to at most this many most recent positions (None: unlimited).
       soft_cap: logits become soft_cap * tanh(logits / soft_cap) (None: no cap).
       kv_bound: per query token, the end (exclusive) of the KV positions it sees; None: causal.
+      kv_tree_mask: per query token, i32 words of a bitmask over its sequence's new tokens.
       backend: "tpu", "gpu", "reference", or "auto" (by the default device's platform).
       interpret: run the TPU or GPU kernel in Pallas interpret mode (works on CPU).
 
@@ -124,10 +128,10 @@ def ragged_paged_attention(
       [T, num_q_heads, head_dim] in q's dtype.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap, kv_bound)
+                      sliding_window, soft_cap, kv_bound, kv_tree_mask)
     backend = resolve_backend(backend)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  kv_bound=kv_bound)
+                  kv_bound=kv_bound, kv_tree_mask=kv_tree_mask)
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
@@ -139,6 +143,7 @@ def ragged_paged_attention(
 __all__ = [
     "FP8_DTYPES",
     "check_supported",
+    "pack_tree_mask",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",

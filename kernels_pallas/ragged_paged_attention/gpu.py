@@ -25,6 +25,7 @@ import numpy as np
 
 from kernels_pallas.ragged_paged_attention import tuning
 from kernels_pallas.ragged_paged_attention.reference import token_metadata
+from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible
 
 # Finite "minus infinity": exp(MASK - m) is 0 without the NaN of (-inf) - (-inf).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -39,12 +40,14 @@ def check_supported(*, head_dim: int, page_size: int) -> None:
                              f"{value}")
 
 
-def _kernel(*refs, bounded: bool, **static):
-    """With `bounded`, a sixth input holds each row's KV bound; causal calls carry none."""
-    if bounded:
-        _attend(*refs[:5], *refs[6:], bound_ref=refs[5], **static)
-    else:
-        _attend(*refs, bound_ref=None, **static)
+def _kernel(*refs, bounded: bool, tree: bool, **static):
+    """With `bounded`, an input after the five of every call holds each row's KV bound; with
+    `tree`, two more hold each row's tree-mask words and its sequence's first new position."""
+    extra = refs[5:5 + bounded + 2 * tree]
+    bound_ref = extra[0] if bounded else None
+    tree_ref, start_ref = extra[-2:] if tree else (None, None)
+    _attend(*refs[:5], *refs[5 + len(extra):], bound_ref=bound_ref, tree_ref=tree_ref,
+            start_ref=start_ref, **static)
 
 
 def _attend(
@@ -58,6 +61,8 @@ def _attend(
     l_ref,  # f32[rows]: running sum of this split
     *,
     bound_ref,  # i32[rows]: each row's KV bound (0 for rows past the item), or None: causal
+    tree_ref,  # i32[NW, rows]: each row's tree-mask words (`tree_mask.py`), or None
+    start_ref,  # i32[rows]: KV position of the row's sequence's first new token, or None
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -108,6 +113,9 @@ def _attend(
         else:
             visible = k_pos[None, :] < row_bound[:, None]
         mask = (row_token < end_token) & visible
+        if tree_ref is not None:  # of the sequence's new tokens, only the row's tree ancestors
+            words = [tree_ref[w][:, None] for w in range(tree_ref.shape[0])]
+            mask &= tree_visible(words, k_pos[None, :] - start_ref[...][:, None])
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos - sliding_window
         s = jnp.where(mask, s, MASK_VALUE)
@@ -164,6 +172,7 @@ def ragged_paged_attention_gpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_bound=None,  # i32[T] or None (causal)
+    kv_tree_mask=None,  # i32[T, NW] or None (no tree)
     block_sizes: tuning.GpuBlockSizes | None = None,
     interpret: bool = False,
 ):
@@ -221,8 +230,19 @@ def ragged_paged_attention_gpu(
         bound = jnp.repeat(jnp.where(in_item, bound, 0), group_padded, axis=1)
         inputs.append(bound.astype(jnp.int32))
         in_specs.append(pl.BlockSpec((None, rows), lambda item, head, split: (item, 0)))
+    if kv_tree_mask is not None:
+        # Per work row, like the bounds: the token's words, and where its sequence's new tokens
+        # start (what bit 0 of the words stands for).
+        seq, _, _ = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
+        words = jnp.repeat(kv_tree_mask[token], group_padded, axis=1).transpose(0, 2, 1)
+        start = (kv_lens - (cu_q_lens[1:] - cu_q_lens[:-1]))[seq][token]
+        inputs += [words, jnp.repeat(start, group_padded, axis=1).astype(jnp.int32)]
+        in_specs += [
+            pl.BlockSpec((None, kv_tree_mask.shape[1], rows),  # [num_work, NW, rows]
+                         lambda item, head, split: (item, 0, 0)),
+            pl.BlockSpec((None, rows), lambda item, head, split: (item, 0))]
     kernel = functools.partial(
-        _kernel, bounded=kv_bound is not None, sm_scale=sm_scale, sliding_window=sliding_window,
+        _kernel, bounded=kv_bound is not None, tree=kv_tree_mask is not None, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, group_padded=group_padded, kv_pages=kv_pages,
         num_kv_splits=num_kv_splits, precision=precision)
     acc, m, l = pl.pallas_call(

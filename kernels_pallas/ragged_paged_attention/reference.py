@@ -9,6 +9,8 @@ backend, and what `"auto"` picks on CPU. It jits, but memory grows with
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible, word_columns
+
 # Query tokens processed together by `lax.map`; bounds the gathered KV held at once.
 _TOKENS_PER_MAP_STEP = 16
 
@@ -43,6 +45,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_bound=None,  # i32[T] or None (causal)
+    kv_tree_mask=None,  # i32[T, NW] or None (no tree: `tree_mask.py`)
 ):
     """Ragged paged attention in plain jnp; same contract as `ragged_paged_attention`.
 
@@ -56,14 +59,20 @@ def ragged_paged_attention_reference(
     max_kv_len = pages_per_seq * page_size
     seq_ids, positions, is_real = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
     bounds = positions + 1 if kv_bound is None else kv_bound
+    q_lens = cu_q_lens[seq_ids + 1] - cu_q_lens[seq_ids]
+    new_start = kv_lens[seq_ids] - q_lens  # KV position of the sequence's first new token
+    words = (jnp.full((num_tokens, 1), -1, jnp.int32) if kv_tree_mask is None
+             else kv_tree_mask)
 
     def attend_one_token(args):
-        q_t, seq, pos, bound, real = args  # [num_q_heads, head_dim], scalars
+        q_t, seq, pos, bound, real, start, tree = args  # [num_q_heads, head_dim], scalars, [NW]
         kv = kv_cache[page_indices[seq]].reshape(max_kv_len, num_kv_heads_x2, head_dim)
         k = kv[:, 0::2].astype(jnp.float32)  # [max_kv_len, num_kv_heads, head_dim]
         v = kv[:, 1::2].astype(jnp.float32)
         k_pos = jnp.arange(max_kv_len)
         visible = real & (k_pos < bound) & (k_pos < kv_lens[seq])
+        if kv_tree_mask is not None:
+            visible &= tree_visible(word_columns(tree[None, :]), (k_pos - start)[None, :])[0]
         if sliding_window is not None:
             visible &= k_pos > pos - sliding_window
         q_t = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
@@ -82,5 +91,6 @@ def ragged_paged_attention_reference(
         return out.reshape(num_q_heads, head_dim)
 
     out = jax.lax.map(
-        attend_one_token, (q, seq_ids, positions, bounds, is_real), batch_size=_TOKENS_PER_MAP_STEP)
+        attend_one_token, (q, seq_ids, positions, bounds, is_real, new_start, words),
+        batch_size=_TOKENS_PER_MAP_STEP)
     return out.astype(q.dtype)

@@ -40,6 +40,7 @@ import numpy as np
 
 from kernels_pallas.ragged_paged_attention import tuning
 from kernels_pallas.ragged_paged_attention.reference import token_metadata
+from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible
 
 # Finite "minus infinity": exp(MASK - m) is 0 without the NaN of (-inf) - (-inf).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -143,17 +144,22 @@ def _load_head(kv_bufs, slot, h: int, *, num_kv_heads: int, kv_tokens: int, pack
     return kv, kv
 
 
-def _kernel(*refs, bounded: bool, **static):
+def _kernel(*refs, bounded: bool, tree: bool, **static):
     """Unpacks the refs: with `bounded`, a fifth scalar-prefetch array (each sequence's KV end)
-    and a third input (each query row's KV bound) come in; causal calls carry neither."""
-    if bounded:
-        *prefetch, seq_kv_end_ref, q_ref, kv_hbm_ref, bound_ref, o_ref = refs[:9]
-    else:
-        *prefetch, q_ref, kv_hbm_ref, o_ref = refs[:7]
-        seq_kv_end_ref = bound_ref = None
-    scratch = refs[9:] if bounded else refs[7:]
-    _attend(*prefetch, q_ref, kv_hbm_ref, o_ref, *scratch, seq_kv_end_ref=seq_kv_end_ref,
-            bound_ref=bound_ref, **static)
+    and an input (each query row's KV bound) come in; with `tree`, an input of each query row's
+    tree-mask words (`tree_mask.py`); a causal call carries neither."""
+    num_prefetch = 5 if bounded else 4
+    num_inputs = 2 + bounded + tree
+    prefetch = refs[:num_prefetch]
+    seq_kv_end_ref = prefetch[4] if bounded else None
+    inputs = refs[num_prefetch:num_prefetch + num_inputs]
+    q_ref, kv_hbm_ref = inputs[:2]
+    bound_ref = inputs[2] if bounded else None
+    tree_ref = inputs[-1] if tree else None
+    o_ref = refs[num_prefetch + num_inputs]
+    scratch = refs[num_prefetch + num_inputs + 1:]
+    _attend(*prefetch[:4], q_ref, kv_hbm_ref, o_ref, *scratch, seq_kv_end_ref=seq_kv_end_ref,
+            bound_ref=bound_ref, tree_ref=tree_ref, **static)
 
 
 def _attend(
@@ -176,6 +182,8 @@ def _attend(
     *,
     seq_kv_end_ref,  # i32[max_num_seqs] (SMEM): KV end of each sequence's bounds; None: causal
     bound_ref,  # i32[q_tokens * group, 128] (VMEM block): each row's KV bound; None: causal
+    tree_ref,  # i32[q_tokens * group, 128] (VMEM block): tree-mask words in lanes 0..NW-1
+    tree_words: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -218,7 +226,7 @@ def _attend(
     def wait_fetch(seq, kv_block, slot):
         for_each_page(seq, kv_block, slot, lambda copy: copy.wait())
 
-    def attend_block(kv_block, slot, first_token, end_token, pos_offset, kv_len):
+    def attend_block(kv_block, slot, first_token, end_token, pos_offset, kv_len, new_start):
         """Online-softmax update of rows of tokens [first_token, end_token) by one KV block."""
         shape = (q_rows, kv_tokens)
         row_token = block_first_token + lax.broadcasted_iota(jnp.int32, shape, 0) // group
@@ -229,6 +237,10 @@ def _attend(
         else:
             visible = k_pos < bound_ref[...][:, :1]
         mask = (row_token >= first_token) & (row_token < end_token) & visible
+        if tree_ref is not None:  # of the sequence's new tokens, only the row's tree ancestors
+            words = tree_ref[...]
+            mask &= tree_visible([words[:, w:w + 1] for w in range(tree_words)],
+                                 k_pos - new_start)
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         # Slots past kv_len hold stale or NaN data; 0 * NaN in p @ v would poison the sum.
@@ -281,7 +293,8 @@ def _attend(
                 start_fetch(seq, kv_block + 1, 1 - slot)
 
             wait_fetch(seq, kv_block, slot)
-            attend_block(kv_block, slot, first_token, end_token, pos_offset, kv_len)
+            attend_block(kv_block, slot, first_token, end_token, pos_offset, kv_len,
+                         q_start + pos_offset)
             return carry
 
         lax.fori_loop(first_kv_block, end_kv_block, kv_step, 0)
@@ -358,6 +371,7 @@ def ragged_paged_attention_tpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_bound=None,  # i32[T] or None (causal)
+    kv_tree_mask=None,  # i32[T, NW] or None (no tree)
     block_sizes: tuning.TpuBlockSizes | None = None,
     interpret: bool = False,
 ):
@@ -417,8 +431,16 @@ def ragged_paged_attention_tpu(
         rows = jnp.repeat(jnp.pad(kv_bound, (0, num_q_blocks * q_tokens - num_tokens)), group)
         inputs.append(jnp.broadcast_to(rows[:, None], (rows.shape[0], _STAT_LANES)))
         in_specs.append(pl.BlockSpec((q_rows, _STAT_LANES), lambda q_block, *_: (q_block, 0)))
+    tree_words = 0 if kv_tree_mask is None else kv_tree_mask.shape[1]
+    if kv_tree_mask is not None:
+        # Like the bounds: one row per (token, query head), its words in the first lanes.
+        words = jnp.repeat(jnp.pad(kv_tree_mask, ((0, num_q_blocks * q_tokens - num_tokens),
+                                                  (0, 0))), group, axis=0)
+        inputs.append(jnp.pad(words, ((0, 0), (0, _STAT_LANES - tree_words))))
+        in_specs.append(pl.BlockSpec((q_rows, _STAT_LANES), lambda q_block, *_: (q_block, 0)))
     kernel = functools.partial(
-        _kernel, bounded=bounded, sm_scale=sm_scale, sliding_window=sliding_window,
+        _kernel, bounded=bounded, tree=kv_tree_mask is not None, tree_words=tree_words,
+        sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, group=group,
         q_tokens=q_tokens, page_size=page_size, pages_per_seq=pages_per_seq, kv_pages=kv_pages,
         packed=packed, interpret=interpret)

@@ -52,11 +52,14 @@ class KernelConfig:
     soft_cap: float | None = None
     kv_dtype: str | None = None  # an 8-bit cache (q stays in `dtype`)
     bounded: bool = False  # a per-token kv_bound (block-diffusion steps)
+    tree_words: int = 0  # a draft tree's kv_tree_mask of this many words per token (0: none)
 
     def __str__(self):
         extra = (f"-win{self.sliding_window}" if self.sliding_window else "") + (
             f"-cap{self.soft_cap}" if self.soft_cap else "") + (
-            f"-kv-{self.kv_dtype}" if self.kv_dtype else "") + ("-bound" if self.bounded else "")
+            f"-kv-{self.kv_dtype}" if self.kv_dtype else "") + (
+            "-bound" if self.bounded else "") + (
+            f"-tree{self.tree_words}" if self.tree_words else "")
         return (f"d{self.head_dim}-ps{self.page_size}-g{self.group}-kvh{self.num_kv_heads}-"
                 f"{self.dtype}{extra}")
 
@@ -74,10 +77,13 @@ class KernelConfig:
                 jax.ShapeDtypeStruct((num_seqs, pages_per_seq), i32),
                 jax.ShapeDtypeStruct((num_seqs + 1,), i32),
                 jax.ShapeDtypeStruct((1,), i32)) + (
-                    (jax.ShapeDtypeStruct((num_tokens,), i32),) if self.bounded else ())
+                    (jax.ShapeDtypeStruct((num_tokens,), i32),) if self.bounded else ()) + (
+                    (jax.ShapeDtypeStruct((num_tokens, self.tree_words), i32),)
+                    if self.tree_words else ())
 
     def kernel(self, fn):
         return lambda *args: fn(*args[:6], kv_bound=args[6] if self.bounded else None,
+                                kv_tree_mask=args[-1] if self.tree_words else None,
                                 sm_scale=self.head_dim ** -0.5,
                                 sliding_window=self.sliding_window, soft_cap=self.soft_cap)
 
@@ -89,6 +95,8 @@ CONFIGS = [KernelConfig(*c) for c in itertools.product(HEAD_DIMS, PAGE_SIZES, GR
     KernelConfig(128, 64, 8, "bfloat16", num_kv_heads=1),
     KernelConfig(128, 16, 4, "bfloat16", bounded=True),
     KernelConfig(64, 16, 2, "float32", sliding_window=256, bounded=True),
+    KernelConfig(128, 16, 4, "bfloat16", tree_words=1),  # draft trees' verify steps
+    KernelConfig(64, 16, 2, "float32", tree_words=2),
     # 8-bit caches: four rows per 32-bit word (two heads' K/V, four packed heads, one packed).
     KernelConfig(128, 16, 4, "float32", kv_dtype="float8_e4m3fn"),
     KernelConfig(64, 16, 2, "float32", num_kv_heads=4, kv_dtype="float8_e5m2"),
@@ -104,6 +112,7 @@ PTX_SHAPES = {KernelConfig(64, 16, 1, "float32"): ("decode",),
               KernelConfig(128, 64, 8, "bfloat16"): tuple(SHAPES)}
 PTX_SHAPES.update({c: tuple(SHAPES) for c in CONFIGS if c.sliding_window and c.soft_cap})
 PTX_SHAPES[KernelConfig(128, 16, 4, "bfloat16", bounded=True)] = tuple(SHAPES)
+PTX_SHAPES[KernelConfig(128, 16, 4, "bfloat16", tree_words=1)] = ("decode",)
 PTX_SHAPES.update({c: ("decode",) for c in CONFIGS if c.kv_dtype})
 
 
