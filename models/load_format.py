@@ -11,6 +11,7 @@ shards (the `ShardedPlacer`'s shardings), so the compiled programs cannot tell t
 - "auto": safetensors when the directory has them, else orbax.
 """
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -71,6 +72,8 @@ def load_state(load_format: str, model_cls, cfg: ModelConfig, checkpoint_cfg: Mo
     if getattr(cfg, "is_moe", False):
         raise ValueError(f"load_format {load_format!r} is not implemented for MoE models "
                          f"({cfg.architecture}); use safetensors")
+    # Only safetensors checkpoints publish KV cache scales: elsewhere they are 1.0, i.e. none.
+    cfg = dataclasses.replace(cfg, kv_scales=False) if getattr(cfg, "kv_scales", False) else cfg
     graphdef, target = abstract_state(model_cls, cfg, dtype, place)
     if load_format == "orbax":
         return graphdef, restore_orbax(model_cls, checkpoint_cfg, model_dir, dtype, place, target)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import kv_scales
 from models.config import ModelConfig
 from models.moe import ExpertMap, replica_tables, trivial_placement
 from models.moe_checkpoint import ExpertLayout, is_expert_param
@@ -37,6 +38,9 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     # A quantized linear's scales as Hugging Face's fp8 format publishes them ([out blocks,
     # in blocks]); quantized on load, `quantized_leaf_rules` takes over.
     "weight_scale": ("weight_scale_inv", np.transpose),
+    # An fp8 KV cache's per-layer scales: several published names (`_kv_scale_source`).
+    "k_scale": ("k_scale", lambda w: w),
+    "v_scale": ("v_scale", lambda w: w),
 }
 # Checkpoint tensors that are not parameters of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -187,6 +191,11 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
         if path in expert_maps:
             sources.append((path, _expert_map_source(cfg, path, shape)))
             continue
+        if path[-1] in kv_scales.LEAVES:
+            source = _kv_scale_source(ckpt, cfg, path, shape, available)
+            used.update(source.names())
+            sources.append((path, source))
+            continue
         quantized = path[:-1] + ("weight_scale",) in shapes
         source = _source(ckpt, cfg, layout, path, shape, model_dir, quantized)
         names = source.names()
@@ -200,6 +209,7 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
                          f"needs, e.g. {missing[:5]}")
     extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
                    and n not in ignore
+                   and not kv_scales.is_kv_scale_tensor(n)  # read only with an fp8 cache
                    and not (n == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False)))
     if extra:
         raise ValueError(f"unexpected tensor(s) {extra[:5]} in checkpoint {model_dir} for "
@@ -285,6 +295,33 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
         return layout.block_name(n) if in_moe_block else n
 
     return ParamSource(**common, name=name, raw=lambda layer: transform(ckpt.get(name(layer))))
+
+
+def _kv_scale_source(ckpt: CheckpointReader, cfg: ModelConfig, path: tuple, shape: tuple,
+                     available: set[str]) -> ParamSource:
+    """An attention layer's k or v cache scale (models/kv_scales.py): per layer, the first
+    published name the checkpoint has, checked, else 1.0."""
+    stacked = is_stacked(path)
+    start = cfg.layer_runs[path[2]].start if stacked else 0
+
+    def found(layer):
+        attention = hf_name(path, None if layer is None else start + layer).rsplit(".", 1)[0]
+        return [n for n in kv_scales.candidate_names(attention, path[-1]) if n in available]
+
+    def name(layer):
+        names = found(layer)
+        return names[0] if names else f"(no {path[-1]} for layer {layer}: 1.0)"
+
+    def raw(layer):
+        names = found(layer)
+        if not names:
+            return np.ones((), np.float32)
+        return kv_scales.checked_scale(names[0], ckpt.get(names[0]), ckpt.model_dir)
+
+    layers = range(shape[0]) if stacked else [None]
+    return ParamSource(path=path, shape=shape, num_layers=shape[0] if stacked else None,
+                       name=name, raw=raw, tensor_shape=ckpt.shape, model_dir=str(ckpt.model_dir),
+                       tensors=tuple(n for layer in layers for n in found(layer)))
 
 
 def _expert_map_source(cfg: ModelConfig, path: tuple, shape: tuple) -> ParamSource:
