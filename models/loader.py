@@ -24,6 +24,7 @@ from models import kv_scales
 from models.config import ModelConfig
 from models.moe import ExpertMap, replica_tables, trivial_placement
 from models.moe_checkpoint import ExpertLayout, is_expert_param
+from models.moe_quant import SCALE_SUFFIX
 from models.quantization import QuantConfig, quantize_weight
 from models.weights import CheckpointReader
 
@@ -196,7 +197,9 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
             used.update(source.names())
             sources.append((path, source))
             continue
-        quantized = path[:-1] + ("weight_scale",) in shapes
+        # A quantized linear's kernel and scale, or a quantized expert weight and its scale.
+        quantized = (path[:-1] + ("weight_scale",) in shapes
+                     or path[:-1] + (path[-1].removesuffix(SCALE_SUFFIX) + SCALE_SUFFIX,) in shapes)
         source = _source(ckpt, cfg, layout, path, shape, model_dir, quantized)
         names = source.names()
         absent = [n for n in names if n not in available]
@@ -275,17 +278,24 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
     common = dict(path=path, shape=shape, num_layers=shape[0] if stacked else None,
                   tensor_shape=ckpt.shape, model_dir=str(model_dir))
     if is_expert_param(path):
-        leaf = path[-1]
+        # A quantized expert weight and its scale are both read from the float weight.
+        leaf = path[-1].removesuffix(SCALE_SUFFIX)
+        part = int(path[-1] != leaf)
         E = cfg.num_experts
+        if quantized:
+            def read(layer, slot):
+                w = layout.read(ckpt, leaf, start + layer, slot % E)
+                return quantize_weight(w, cfg.quantization)[part]
+        else:
+            def read(layer, slot):
+                return layout.read(ckpt, leaf, start + layer, slot % E)
 
         def expert_name(layer, slot):
             return layout.tensor(leaf, start + layer, slot % E)
 
         tensors = [n for layer in range(shape[0]) for n in layout.tensors(leaf, start + layer)]
         return ParamSource(**common, name=expert_name, num_slots=shape[1],
-                           tensors=tuple(tensors),
-                           raw=lambda layer, slot: layout.read(ckpt, leaf, start + layer,
-                                                               slot % E))
+                           tensors=tuple(tensors), raw=read)
     rules = quantized_leaf_rules(cfg.quantization) if quantized else LEAF_RULES
     hf_leaf, transform = rules[path[-1]]
     in_moe_block = stacked and cfg.layer_runs[path[2]].moe and "mlp" in path

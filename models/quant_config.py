@@ -16,6 +16,8 @@ _NOT_IMPLEMENTED = {
     "w8a8_fp8": "XLA:CPU has no fp8 x fp8 dot (it converts both operands to float32), so it "
                 "cannot beat fp8 weight-only here",
 }
+# What a MoE model's expert weights take (weight-only, per output channel: models/moe_quant.py).
+MOE_METHODS = ("int8", "fp8")
 # Largest magnitudes of the symmetric quantized ranges.
 INT8_MAX = 127.0
 FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
@@ -104,9 +106,13 @@ def resolve(checkpoint: QuantConfig | None, requested: str | None, is_moe: bool
         return None
     else:
         chosen = QuantConfig(requested)
-    if is_moe:
-        raise ValueError(f"quantization {chosen.method!r} is not implemented for MoE models "
-                         f"(expert weights)")
+    if is_moe and chosen.prequantized:
+        raise ValueError(f"pre-quantized {chosen.method!r} checkpoints of MoE models are not "
+                         f"implemented (their expert weights); quantize a float checkpoint "
+                         f"on load instead")
+    if is_moe and chosen.method not in MOE_METHODS:
+        raise ValueError(f"quantization {chosen.method!r} is not implemented for MoE expert "
+                         f"weights; MoE models take {MOE_METHODS}")
     return chosen
 
 
