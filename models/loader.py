@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import kv_scales
+from models import compressed_tensors, kv_scales
 from models.config import ModelConfig
 from models.moe import ExpertMap, replica_tables, trivial_placement
 from models.moe_checkpoint import ExpertLayout, is_expert_param
@@ -53,14 +53,28 @@ def is_stacked(path: tuple) -> bool:
     return tuple(path[:2]) == STACKED
 
 
-def quantized_leaf_rules(quant: QuantConfig) -> dict[str, tuple[str, Callable]]:
-    """The LEAF_RULES of a quantized linear: read as published (pre-quantized), or both leaves
-    from the float `weight`, quantized (the kernel's quantized values, the scales)."""
+def quantized_leaf_rules(quant: QuantConfig, d_out: int) -> dict[str, tuple[str, Callable]]:
+    """The LEAF_RULES of a quantized linear [in, d_out]: read as published (pre-quantized), or
+    both leaves from the float `weight`, quantized (the kernel's quantized values, the
+    scales)."""
+    if quant.checkpoint_format == compressed_tensors.METHOD:
+        return {**LEAF_RULES, "weight_scale": ("weight_scale", _compressed_scale(quant, d_out))}
     if quant.prequantized:
         return LEAF_RULES
     return {**LEAF_RULES,
             "kernel": ("weight", lambda w: quantize_weight(w.T, quant)[0]),
             "weight_scale": ("weight", lambda w: quantize_weight(w.T, quant)[1])}
+
+
+def _compressed_scale(quant: QuantConfig, d_out: int) -> Callable[[np.ndarray], np.ndarray]:
+    """A compressed-tensors `weight_scale` ([out, 1] per channel, [1] per tensor) -> [1, out]
+    float32; any other shape is left for the shape check to name."""
+    def transform(w):
+        w = np.asarray(w, np.float32)
+        if quant.per_tensor_scale and w.size == 1:
+            return np.full((1, d_out), w.reshape(()), np.float32)
+        return w.reshape(1, -1) if w.ndim == 2 and w.shape[-1] == 1 else w
+    return transform
 
 
 def hf_name(path: tuple, layer: int | None = None, hf_leaf: str | None = None) -> str:
@@ -296,7 +310,7 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
         tensors = [n for layer in range(shape[0]) for n in layout.tensors(leaf, start + layer)]
         return ParamSource(**common, name=expert_name, num_slots=shape[1],
                            tensors=tuple(tensors), raw=read)
-    rules = quantized_leaf_rules(cfg.quantization) if quantized else LEAF_RULES
+    rules = quantized_leaf_rules(cfg.quantization, shape[-1]) if quantized else LEAF_RULES
     hf_leaf, transform = rules[path[-1]]
     in_moe_block = stacked and cfg.layer_runs[path[2]].moe and "mlp" in path
 
