@@ -38,6 +38,20 @@ def _write(src, dst, extra):
     return dst
 
 
+def test_orbax_weights_run_an_fp8_cache_without_scales(orbax_llama, engine_kwargs):
+    """orbax checkpoints publish no KV scales: the model is built without them (1.0). First in
+    the module: while the module's engine lives, it forbids compiles to every other."""
+    engine = Engine(model_path=str(orbax_llama), kv_cache_dtype="fp8_e4m3",
+                    **dict(engine_kwargs, **SMALL))
+    try:
+        leaves = {path[-1] for path, _ in nnx.to_flat_state(engine.runner.state)}
+        assert "k_scale" not in leaves and "kernel" in leaves
+        out = engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 3})
+        assert len(out[0]["output_ids"]) == 3
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def scaled(checkpoint, tmp_path_factory, engine_kwargs):
     src = checkpoint("tiny-llama")
@@ -115,3 +129,4 @@ def test_bad_scales_named_at_load(checkpoint, tmp_path, engine_kwargs, extra, me
     path = _write(checkpoint("tiny-llama"), tmp_path / "bad", extra)
     with pytest.raises(ValueError, match=message):
         Engine(model_path=str(path), kv_cache_dtype="fp8_e4m3", **engine_kwargs)
+
