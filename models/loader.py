@@ -224,6 +224,7 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s) the model "
                          f"needs, e.g. {missing[:5]}")
+    used.update(_zero_points(ckpt, cfg, available - used))
     extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
                    and n not in ignore
                    and not kv_scales.is_kv_scale_tensor(n)  # read only with an fp8 cache
@@ -319,6 +320,20 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
         return layout.block_name(n) if in_moe_block else n
 
     return ParamSource(**common, name=name, raw=lambda layer: transform(ckpt.get(name(layer))))
+
+
+def _zero_points(ckpt: CheckpointReader, cfg, names: set[str]) -> list[str]:
+    """The `weight_zero_point` tensors a symmetric compressed-tensors checkpoint may carry (all
+    zero: nothing to read); raises ValueError naming one that is not."""
+    quant = getattr(cfg, "quantization", None)
+    if quant is None or quant.checkpoint_format != compressed_tensors.METHOD:
+        return []
+    found = sorted(n for n in names if n.endswith(".weight_zero_point"))
+    for name in found:
+        if np.any(np.asarray(ckpt.get(name), np.float32) != 0):
+            raise ValueError(f"tensor {name!r} in {ckpt.model_dir} holds non-zero zero points; "
+                             f"symmetric weights have none")
+    return found
 
 
 def _kv_scale_source(ckpt: CheckpointReader, cfg: ModelConfig, path: tuple, shape: tuple,

@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints (models/compressed_tensors.py) in the layout llm-compressor
 publishes, written here from tiny-llama: int8 W8A8 per output channel ("int-quantized") and fp8
-W8A8 per tensor ("float-quantized"), `ignore: ["lm_head"]`. They load as written, and their
+W8A8 per tensor ("float-quantized"), `ignore: ["lm_head"]`, all-zero zero points (older
+writers) accepted and non-zero ones refused. They load as written, and their
 prefill logits match Hugging Face running the dequantised weights with each projection's input
 quantized per token the same way (forward pre-hooks); everything else in the format is refused
 naming the field."""
@@ -66,6 +67,8 @@ def compressed(request, checkpoint, tmp_path_factory, engine_kwargs):
         if name.endswith(".weight") and any(p in name for p in PROJECTIONS):
             q, scale = _quantize(value, kind)
             written[name], written[name[:-len("weight")] + "weight_scale"] = q, scale
+            if kind == "int":  # older compressed-tensors write zero points, 0 when symmetric
+                written[name + "_zero_point"] = np.zeros_like(scale, np.int8)
         else:
             written[name] = value
     save_file(written, str(dst / "model.safetensors"))
@@ -73,12 +76,12 @@ def compressed(request, checkpoint, tmp_path_factory, engine_kwargs):
     config["quantization_config"] = _scheme(kind, strategy)
     (dst / "config.json").write_text(json.dumps(config))
     engine = Engine(model_path=str(dst), **dict(engine_kwargs, **SMALL))
-    yield kind, method, src, written, engine
+    yield kind, method, src, written, engine, dst
     engine.shutdown()
 
 
 def test_loads_as_written(compressed):
-    kind, method, _, written, engine = compressed
+    kind, method, _, written, engine, _ = compressed
     assert engine.runner.model_config.quantization == QuantConfig(
         method, prequantized=True, checkpoint_format="compressed-tensors",
         per_tensor_scale=kind == "float")
@@ -100,7 +103,7 @@ def _fake_quant(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def test_prefill_logits_match_hf_w8a8_reference(compressed):
-    kind, _, src, written, engine = compressed
+    kind, _, src, written, engine, _ = compressed
     # From the float checkpoint (transformers reads compressed-tensors only through the
     # compressed-tensors package); the weights are replaced below.
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -126,6 +129,18 @@ def test_prefill_logits_match_hf_w8a8_reference(compressed):
         leading = int(np.argmax(rel >= 1e-4)) if (rel >= 1e-4).any() else len(rel)
         assert leading >= min(len(rel), 8), f"{kind}: positions {leading}+ differ: {rel}"
         assert rel.max() < 0.05, f"{kind}: relative error {rel.max():.2e}"
+
+
+def test_nonzero_zero_points_named(compressed, tmp_path, engine_kwargs):
+    kind, _, _, written, _, dst = compressed
+    if kind != "int":
+        pytest.skip("zero points are an int format's")
+    bad = tmp_path / "bad"
+    shutil.copytree(dst, bad)
+    name = "model.layers.1.mlp.up_proj.weight_zero_point"
+    save_file({**written, name: np.ones_like(written[name])}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"'{name}'.*non-zero zero points"):
+        Engine(model_path=str(bad), **dict(engine_kwargs, **SMALL))
 
 
 def _with(path: list, value):
