@@ -30,15 +30,16 @@ class EngineArgs:
     # Weights and activations dtype; "auto" takes the checkpoint's `torch_dtype`.
     dtype: str = "auto"
     # KV cache dtype; "auto" follows `dtype`. "fp8_e4m3" / "fp8_e5m2" store K and V in 8 bits
-    # (float8_e4m3fn / float8_e5m2), scale 1.0: half bfloat16's memory per token.
+    # (float8_e4m3fn / float8_e5m2): half bfloat16's memory per token; per-layer k/v scales
+    # from the checkpoint where it has them, else 1.0 (models/kv_scales.py).
     kv_cache_dtype: str = "auto"
     # Quantized weights of the decoder's projections (SGLang's name; models/quantization.py):
     # None; "int8" (weight-only, symmetric per output channel, quantized while loading); "fp8"
     # (float8_e4m3fn weight-only, per output channel on load, or a pre-quantized checkpoint's
     # 128x128 block scales); "w8a8_int8" (int8 weights and per-token dynamic int8 activations:
-    # the one that runs an int8 dot on XLA:CPU). A checkpoint whose config.json has a
-    # `quantization_config` is read as published whatever this says (a conflicting value is an
-    # error).
+    # the one that runs an int8 dot on XLA:CPU). MoE experts take "int8" and "fp8". A checkpoint
+    # whose config.json has a `quantization_config` (Hugging Face's fp8, compressed-tensors) is
+    # read as published whatever this says (a conflicting value is an error).
     quantization: str | None = None
     tokenizer_path: str | None = None
     skip_tokenizer_init: bool = False

@@ -70,8 +70,14 @@ def logical_counts(physical_counts: np.ndarray, placement: np.ndarray,
     return np.einsum("...lp,lpe->...le", np.asarray(physical_counts, np.int64), onehot)
 
 
+def _leaves(flat, run_path) -> list[str]:
+    """The expert leaves a run holds: the weights, and their scales when quantized."""
+    leaves = EXPERT_LEAVES + tuple(leaf + "_scale" for leaf in EXPERT_LEAVES)
+    return [leaf for leaf in leaves if run_path + ("mlp", "experts", leaf) in flat]
+
+
 def _move_slots(weights, layer, source):
-    """weights (gate, up, down), each [L, P, ...]: layer `layer`'s slot p takes old slot
+    """weights (gate, up, down, and their scales when quantized), each [L, P, ...]: layer `layer`'s slot p takes old slot
     source[p]'s weights (in place: the caller donates them)."""
     return tuple(w.at[layer].set(w[layer][source]) for w in weights)
 
@@ -89,7 +95,8 @@ class ExpertMover:
                           if p[-2:] == ("experts", "gate_proj")]  # ('model', 'layers', r)
         self.moves = {}
         for run_path in self.run_paths:
-            weights = tuple(flat[run_path + ("mlp", "experts", leaf)] for leaf in EXPERT_LEAVES)
+            weights = tuple(flat[run_path + ("mlp", "experts", leaf)]
+                            for leaf in _leaves(flat, run_path))
             key = tuple((w.shape, str(w.dtype), str(w.sharding)) for w in weights)
             if key in self.moves:
                 continue
@@ -113,7 +120,8 @@ class ExpertMover:
         replicas, num_replicas = location.tables(new_placement)
         changed, moe_layer = 0, 0
         for run, run_path in zip(location.runs, self.run_paths):
-            variables = [flat[run_path + ("mlp", "experts", leaf)] for leaf in EXPERT_LEAVES]
+            variables = [flat[run_path + ("mlp", "experts", leaf)]
+                         for leaf in _leaves(flat, run_path)]
             for layer in range(run.num_layers):
                 row = moe_layer + layer
                 source = np.array([p if old[row, p] == e else int(np.flatnonzero(old[row] == e)[0])

@@ -32,7 +32,7 @@ from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, extend_buck
                                pick_bucket, sample_batch_sizes, split_prefill_buckets,
                                verify_buckets)
 from jaxrunner.compile_guard import CompileMonitor
-from jaxrunner.config import EngineArgs
+from jaxrunner.config import FP8_KV_CACHE_DTYPES, EngineArgs
 from jaxrunner.dllm.algorithm import DllmInput
 from jaxrunner.dllm.plan import DllmPlan
 from jaxrunner.dllm.step import block_bound, dllm_step
@@ -198,7 +198,8 @@ class ModelRunner:
         # The quantization to run: the checkpoint's, or the `quantization` argument's.
         self.model_config = model_config = dataclasses.replace(
             model_config, quantization=quant_config.resolve(
-                model_config.quantization, args.quantization, model_config.is_moe))
+                model_config.quantization, args.quantization, model_config.is_moe),
+            kv_scales=args.kv_cache_dtype in FP8_KV_CACHE_DTYPES)
         distributed.initialize(args)  # multi-host: before anything touches a device
         if lowering_target is None:
             self.parallel = Parallelism.create(args.tp_size, args.dp_size)

@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.compile_guard import CompileMonitor
 from models.config import ModelConfig
-from models.load_format import abstract_state, resolve_load_format, restore_orbax
+from models.load_format import (abstract_state, resolve_load_format, restore_orbax,
+                                without_kv_scales)
 from models.loader import (ParamSource, checkpoint_sources, hf_name, place_all, tensor_shapes,
                            to_checkpoint_layout, to_model_layout)
 from models.sharding import ShardedPlacer
@@ -102,9 +103,10 @@ class ModelWeights:
             raise ValueError("load_format 'dummy' has no weights to update from")
         self._check_config(model_dir)
         if load_format == "orbax":
-            _, target = abstract_state(self.model_cls, self.config, self.dtype, self.placer)
-            restored = restore_orbax(self.model_cls, self.checkpoint_config, model_dir,
-                                     self.dtype, self.placer, target)
+            _, target = abstract_state(self.model_cls, without_kv_scales(self.config),
+                                       self.dtype, self.placer)
+            restored = restore_orbax(self.model_cls, without_kv_scales(self.checkpoint_config),
+                                     model_dir, self.dtype, self.placer, target)
             for path, variable in nnx.to_flat_state(restored):
                 self._set(path, variable.get_value())
         else:

@@ -159,6 +159,10 @@ class ModelConfig:
     # Quantized decoder projections (models/quantization.py): the checkpoint's
     # `quantization_config`, or the engine's `quantization` argument (set by the engine).
     quantization: QuantConfig | None = None
+    # The attention layers hold per-layer k/v scales of an fp8 KV cache (models/kv_scales.py),
+    # read from the checkpoint where it has them, else 1.0; set by the engine, never by
+    # config.json.
+    kv_scales: bool = False
     # Block-diffusion LMs (DLLM_ARCHITECTURES): the token a block's undecided positions hold,
     # and the block length the model was trained with (None where the config names none).
     mask_token_id: int | None = None

@@ -86,6 +86,12 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        # An fp8 KV cache's scales of this layer (models/kv_scales.py), [L] once stacked.
+        if cfg.kv_scales:
+            self.k_scale = nnx.Param(jnp.ones((), jnp.float32))
+            self.v_scale = nnx.Param(jnp.ones((), jnp.float32))
+        else:
+            self.k_scale = self.v_scale = None
 
     def __call__(self, x, cos, sin, kv_cache, layer, fb: ForwardBatch, backend: AttentionBackend,
                  meta, lora: LoraLayer = NO_LORA):
@@ -96,7 +102,11 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_cos_sin(q, cos, sin), apply_rope_cos_sin(k, cos, sin)
-        out, kv_cache = backend.forward(q, k, v, kv_cache, layer, fb, meta)
+        if self.k_scale is None:
+            out, kv_cache = backend.forward(q, k, v, kv_cache, layer, fb, meta)
+        else:
+            out, kv_cache = backend.forward_scaled(q, k, v, kv_cache, layer, fb, meta,
+                                                   self.k_scale[...], self.v_scale[...])
         out = out.reshape(T, self.num_heads * self.head_dim)
         return lora.apply("o_proj", out, self.o_proj(out)), kv_cache
 

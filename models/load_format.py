@@ -11,6 +11,7 @@ shards (the `ShardedPlacer`'s shardings), so the compiled programs cannot tell t
 - "auto": safetensors when the directory has them, else orbax.
 """
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -58,6 +59,12 @@ def abstract_state(model_cls, cfg: ModelConfig, dtype, place: ShardedPlacer):
     return graphdef, nnx.from_flat_state(flat)
 
 
+def without_kv_scales(cfg):
+    """`cfg` without per-layer KV cache scales: only safetensors checkpoints publish them
+    (models/kv_scales.py), so orbax and dummy weights run with 1.0, i.e. none."""
+    return dataclasses.replace(cfg, kv_scales=False) if getattr(cfg, "kv_scales", False) else cfg
+
+
 def load_state(load_format: str, model_cls, cfg: ModelConfig, checkpoint_cfg: ModelConfig,
                model_dir: str, dtype, place: ShardedPlacer, seed: int = 0):
     """(graphdef, state) of `model_cls(cfg)` with weights from `model_dir` in `load_format`
@@ -71,6 +78,7 @@ def load_state(load_format: str, model_cls, cfg: ModelConfig, checkpoint_cfg: Mo
     if getattr(cfg, "is_moe", False):
         raise ValueError(f"load_format {load_format!r} is not implemented for MoE models "
                          f"({cfg.architecture}); use safetensors")
+    cfg, checkpoint_cfg = without_kv_scales(cfg), without_kv_scales(checkpoint_cfg)
     graphdef, target = abstract_state(model_cls, cfg, dtype, place)
     if load_format == "orbax":
         return graphdef, restore_orbax(model_cls, checkpoint_cfg, model_dir, dtype, place, target)

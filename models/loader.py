@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import compressed_tensors, kv_scales
 from models.config import ModelConfig
 from models.moe import ExpertMap, replica_tables, trivial_placement
 from models.moe_checkpoint import ExpertLayout, is_expert_param
+from models.moe_quant import SCALE_SUFFIX
 from models.quantization import QuantConfig, quantize_weight
 from models.weights import CheckpointReader
 
@@ -37,6 +39,9 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     # A quantized linear's scales as Hugging Face's fp8 format publishes them ([out blocks,
     # in blocks]); quantized on load, `quantized_leaf_rules` takes over.
     "weight_scale": ("weight_scale_inv", np.transpose),
+    # An fp8 KV cache's per-layer scales: several published names (`_kv_scale_source`).
+    "k_scale": ("k_scale", lambda w: w),
+    "v_scale": ("v_scale", lambda w: w),
 }
 # Checkpoint tensors that are not parameters of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -48,14 +53,28 @@ def is_stacked(path: tuple) -> bool:
     return tuple(path[:2]) == STACKED
 
 
-def quantized_leaf_rules(quant: QuantConfig) -> dict[str, tuple[str, Callable]]:
-    """The LEAF_RULES of a quantized linear: read as published (pre-quantized), or both leaves
-    from the float `weight`, quantized (the kernel's quantized values, the scales)."""
+def quantized_leaf_rules(quant: QuantConfig, d_out: int) -> dict[str, tuple[str, Callable]]:
+    """The LEAF_RULES of a quantized linear [in, d_out]: read as published (pre-quantized), or
+    both leaves from the float `weight`, quantized (the kernel's quantized values, the
+    scales)."""
+    if quant.checkpoint_format == compressed_tensors.METHOD:
+        return {**LEAF_RULES, "weight_scale": ("weight_scale", _compressed_scale(quant, d_out))}
     if quant.prequantized:
         return LEAF_RULES
     return {**LEAF_RULES,
             "kernel": ("weight", lambda w: quantize_weight(w.T, quant)[0]),
             "weight_scale": ("weight", lambda w: quantize_weight(w.T, quant)[1])}
+
+
+def _compressed_scale(quant: QuantConfig, d_out: int) -> Callable[[np.ndarray], np.ndarray]:
+    """A compressed-tensors `weight_scale` ([out, 1] per channel, [1] per tensor) -> [1, out]
+    float32; any other shape is left for the shape check to name."""
+    def transform(w):
+        w = np.asarray(w, np.float32)
+        if quant.per_tensor_scale and w.size == 1:
+            return np.full((1, d_out), w.reshape(()), np.float32)
+        return w.reshape(1, -1) if w.ndim == 2 and w.shape[-1] == 1 else w
+    return transform
 
 
 def hf_name(path: tuple, layer: int | None = None, hf_leaf: str | None = None) -> str:
@@ -187,7 +206,14 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
         if path in expert_maps:
             sources.append((path, _expert_map_source(cfg, path, shape)))
             continue
-        quantized = path[:-1] + ("weight_scale",) in shapes
+        if path[-1] in kv_scales.LEAVES:
+            source = _kv_scale_source(ckpt, cfg, path, shape, available)
+            used.update(source.names())
+            sources.append((path, source))
+            continue
+        # A quantized linear's kernel and scale, or a quantized expert weight and its scale.
+        quantized = (path[:-1] + ("weight_scale",) in shapes
+                     or path[:-1] + (path[-1].removesuffix(SCALE_SUFFIX) + SCALE_SUFFIX,) in shapes)
         source = _source(ckpt, cfg, layout, path, shape, model_dir, quantized)
         names = source.names()
         absent = [n for n in names if n not in available]
@@ -198,8 +224,10 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s) the model "
                          f"needs, e.g. {missing[:5]}")
+    used.update(_zero_points(ckpt, cfg, available - used))
     extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
                    and n not in ignore
+                   and not kv_scales.is_kv_scale_tensor(n)  # read only with an fp8 cache
                    and not (n == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False)))
     if extra:
         raise ValueError(f"unexpected tensor(s) {extra[:5]} in checkpoint {model_dir} for "
@@ -265,18 +293,25 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
     common = dict(path=path, shape=shape, num_layers=shape[0] if stacked else None,
                   tensor_shape=ckpt.shape, model_dir=str(model_dir))
     if is_expert_param(path):
-        leaf = path[-1]
+        # A quantized expert weight and its scale are both read from the float weight.
+        leaf = path[-1].removesuffix(SCALE_SUFFIX)
+        part = int(path[-1] != leaf)
         E = cfg.num_experts
+        if quantized:
+            def read(layer, slot):
+                w = layout.read(ckpt, leaf, start + layer, slot % E)
+                return quantize_weight(w, cfg.quantization)[part]
+        else:
+            def read(layer, slot):
+                return layout.read(ckpt, leaf, start + layer, slot % E)
 
         def expert_name(layer, slot):
             return layout.tensor(leaf, start + layer, slot % E)
 
         tensors = [n for layer in range(shape[0]) for n in layout.tensors(leaf, start + layer)]
         return ParamSource(**common, name=expert_name, num_slots=shape[1],
-                           tensors=tuple(tensors),
-                           raw=lambda layer, slot: layout.read(ckpt, leaf, start + layer,
-                                                               slot % E))
-    rules = quantized_leaf_rules(cfg.quantization) if quantized else LEAF_RULES
+                           tensors=tuple(tensors), raw=read)
+    rules = quantized_leaf_rules(cfg.quantization, shape[-1]) if quantized else LEAF_RULES
     hf_leaf, transform = rules[path[-1]]
     in_moe_block = stacked and cfg.layer_runs[path[2]].moe and "mlp" in path
 
@@ -285,6 +320,47 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
         return layout.block_name(n) if in_moe_block else n
 
     return ParamSource(**common, name=name, raw=lambda layer: transform(ckpt.get(name(layer))))
+
+
+def _zero_points(ckpt: CheckpointReader, cfg, names: set[str]) -> list[str]:
+    """The `weight_zero_point` tensors a symmetric compressed-tensors checkpoint may carry (all
+    zero: nothing to read); raises ValueError naming one that is not."""
+    quant = getattr(cfg, "quantization", None)
+    if quant is None or quant.checkpoint_format != compressed_tensors.METHOD:
+        return []
+    found = sorted(n for n in names if n.endswith(".weight_zero_point"))
+    for name in found:
+        if np.any(np.asarray(ckpt.get(name), np.float32) != 0):
+            raise ValueError(f"tensor {name!r} in {ckpt.model_dir} holds non-zero zero points; "
+                             f"symmetric weights have none")
+    return found
+
+
+def _kv_scale_source(ckpt: CheckpointReader, cfg: ModelConfig, path: tuple, shape: tuple,
+                     available: set[str]) -> ParamSource:
+    """An attention layer's k or v cache scale (models/kv_scales.py): per layer, the first
+    published name the checkpoint has, checked, else 1.0."""
+    stacked = is_stacked(path)
+    start = cfg.layer_runs[path[2]].start if stacked else 0
+
+    def found(layer):
+        attention = hf_name(path, None if layer is None else start + layer).rsplit(".", 1)[0]
+        return [n for n in kv_scales.candidate_names(attention, path[-1]) if n in available]
+
+    def name(layer):
+        names = found(layer)
+        return names[0] if names else f"(no {path[-1]} for layer {layer}: 1.0)"
+
+    def raw(layer):
+        names = found(layer)
+        if not names:
+            return np.ones((), np.float32)
+        return kv_scales.checked_scale(names[0], ckpt.get(names[0]), ckpt.model_dir)
+
+    layers = range(shape[0]) if stacked else [None]
+    return ParamSource(path=path, shape=shape, num_layers=shape[0] if stacked else None,
+                       name=name, raw=raw, tensor_shape=ckpt.shape, model_dir=str(ckpt.model_dir),
+                       tensors=tuple(n for layer in layers for n in found(layer)))
 
 
 def _expert_map_source(cfg: ModelConfig, path: tuple, shape: tuple) -> ParamSource:

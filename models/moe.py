@@ -26,6 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.moe_quant import SCALE_SUFFIX, QuantizedExperts, expert_matmul, ragged_matmul
+from models.quant_config import QuantConfig
+
 GROUPED_MATMULS = ("blocked", "ragged_dot")
 # Block rows of the blocked form: the expected rows per expert, rounded up to a power of two and
 # clamped (few rows per block waste less padding; more rows make better matmuls).
@@ -73,13 +76,32 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """The expert MLPs' weights, one row per physical slot: gate/up [P, D, I], down [P, I, D]."""
+    """The expert MLPs' weights, one row per physical slot: gate/up [P, D, I], down [P, I, D];
+    with `quant`, in its weight dtype with per-output-channel scales `<name>_scale` [P, 1, out]
+    (models/moe_quant.py)."""
 
-    def __init__(self, num_slots: int, d_model: int, d_ff: int, dtype, rngs: nnx.Rngs):
+    LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, num_slots: int, d_model: int, d_ff: int, dtype, rngs: nnx.Rngs,
+                 quant: QuantConfig | None = None):
+        shapes = {"gate_proj": (num_slots, d_model, d_ff), "up_proj": (num_slots, d_model, d_ff),
+                  "down_proj": (num_slots, d_ff, d_model)}
+        self.quantized = quant is not None
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)
-        self.gate_proj = nnx.Param(init(rngs.params(), (num_slots, d_model, d_ff), dtype))
-        self.up_proj = nnx.Param(init(rngs.params(), (num_slots, d_model, d_ff), dtype))
-        self.down_proj = nnx.Param(init(rngs.params(), (num_slots, d_ff, d_model), dtype))
+        for name, shape in shapes.items():
+            if quant is None:
+                setattr(self, name, nnx.Param(init(rngs.params(), shape, dtype)))
+            else:  # loaded from the checkpoint, never initialised
+                setattr(self, name, nnx.Param(jnp.zeros(shape, quant.weight_dtype)))
+                setattr(self, name + SCALE_SUFFIX,
+                        nnx.Param(jnp.ones((num_slots, 1, shape[-1]), jnp.float32)))
+
+    def weights(self):
+        """(gate, up, down): arrays, or `QuantizedExperts` when quantized."""
+        if not self.quantized:
+            return tuple(getattr(self, n)[...] for n in self.LEAVES)
+        return tuple(QuantizedExperts(getattr(self, n)[...], getattr(self, n + SCALE_SUFFIX)[...])
+                     for n in self.LEAVES)
 
 
 @jax.tree_util.register_dataclass
@@ -131,7 +153,8 @@ def blocked_mlp(xs, group_sizes, wg, wu, wd, rows_per_block: int):
         g = jnp.minimum(jnp.sum(b >= block_end), G - 1)
         start = group_start[g] + (b - (block_end[g] - blocks[g])) * B
         xb = jax.lax.dynamic_slice_in_dim(xs, start, B)
-        y = (jax.nn.silu(xb @ wg[g]) * (xb @ wu[g])) @ wd[g]
+        h = jax.nn.silu(expert_matmul(xb, wg[g])) * expert_matmul(xb, wu[g])
+        y = expert_matmul(h, wd[g])
         in_group = start + jnp.arange(B) < group_start[g] + group_sizes[g]
         kept = jnp.where(in_group[:, None], y, jax.lax.dynamic_slice_in_dim(out, start, B))
         return jax.lax.dynamic_update_slice_in_dim(out, kept, start, 0)
@@ -143,9 +166,8 @@ def blocked_mlp(xs, group_sizes, wg, wu, wd, rows_per_block: int):
 def ragged_dot_mlp(xs, group_sizes, wg, wu, wd):
     """`blocked_mlp` through `jax.lax.ragged_dot`."""
     in_group = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, group_sizes)) * jax.lax.ragged_dot(
-        xs, wu, group_sizes)
-    return jnp.where(in_group[:, None], jax.lax.ragged_dot(h, wd, group_sizes), 0)
+    h = jax.nn.silu(ragged_matmul(xs, wg, group_sizes)) * ragged_matmul(xs, wu, group_sizes)
+    return jnp.where(in_group[:, None], ragged_matmul(h, wd, group_sizes), 0)
 
 
 def expert_mlp(x, routing: Routing, wg, wu, wd, first_slot, grouped_matmul: str,
@@ -189,7 +211,8 @@ class SparseMoeBlock(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         E, P = cfg.num_experts, cfg.num_physical_experts
         self.gate = Router(cfg.hidden_size, E, dtype, rngs)
-        self.experts = Experts(P, cfg.hidden_size, cfg.moe_intermediate_size, dtype, rngs)
+        self.experts = Experts(P, cfg.hidden_size, cfg.moe_intermediate_size, dtype, rngs,
+                               quant=cfg.quantization)
         replicas, num_replicas = replica_tables(trivial_placement(E, P), E)
         self.replicas = ExpertMap(jnp.asarray(replicas))
         self.num_replicas = ExpertMap(jnp.asarray(num_replicas))
@@ -202,5 +225,4 @@ class SparseMoeBlock(nnx.Module):
         routing, counts = route(x, self.gate(x), self.replicas[...], self.num_replicas[...],
                                 valid, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                                 num_slots=self.num_slots)
-        e = self.experts
-        return runner(x, routing, e.gate_proj[...], e.up_proj[...], e.down_proj[...]), counts
+        return runner(x, routing, *self.experts.weights()), counts

@@ -30,8 +30,10 @@ PER_EXPERT_BLOCK = {"MixtralForCausalLM": "block_sparse_moe"}
 
 
 def is_expert_param(path: tuple) -> bool:
-    """('model', 'layers', 0, 'mlp', 'experts', 'gate_proj') -> True."""
-    return len(path) >= 2 and path[-2] == "experts" and path[-1] in EXPERT_TENSORS
+    """('model', 'layers', 0, 'mlp', 'experts', 'gate_proj') -> True; also its scale
+    ('gate_proj_scale') when the experts are quantized (models/moe_quant.py)."""
+    return (len(path) >= 2 and path[-2] == "experts"
+            and path[-1].removesuffix("_scale") in EXPERT_TENSORS)
 
 
 @dataclass(frozen=True)

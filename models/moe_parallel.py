@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.parallel import DATA_AXIS, TENSOR_AXIS
 from models.moe import Routing, expert_mlp
+from models.moe_quant import weight_spec
 
 DISPATCHES = ("all_gather", "all_to_all")
 
@@ -66,11 +67,12 @@ class MoeRunner:
         if self.tensor_axis:
             in_specs = (P(None, None, self.tensor_axis), P(None, None, self.tensor_axis),
                         P(None, self.tensor_axis, None))
+            in_specs = tuple(weight_spec(s, w) for s, w in zip(in_specs, (wg, wu, wd)))
             body = self._tensor_parallel
         else:
             # Axes already manual (data, under DP attention) are not named again.
             auto = tuple(a for a in self.expert_axes if a not in _manual_axes(context))
-            in_specs = (P(auto or None, None, None),) * 3
+            in_specs = tuple(weight_spec(P(auto or None, None, None), w) for w in (wg, wu, wd))
             body = self._all_to_all if self.dispatch == "all_to_all" else self._all_gather
         run = jax.shard_map(lambda x, r, *w: body(x, r, *w, num_slots=num_slots), mesh=mesh,
                             in_specs=(P(), P(), *in_specs), out_specs=P(),

@@ -10,19 +10,25 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from models import compressed_tensors
+
 # The `quantization` engine argument (SGLang's name): None, or one of these.
 QUANTIZATION_METHODS = ("int8", "fp8", "w8a8_int8")
 _NOT_IMPLEMENTED = {
     "w8a8_fp8": "XLA:CPU has no fp8 x fp8 dot (it converts both operands to float32), so it "
                 "cannot beat fp8 weight-only here",
 }
+# What a MoE model's expert weights take (weight-only, per output channel: models/moe_quant.py).
+MOE_METHODS = ("int8", "fp8")
 # Largest magnitudes of the symmetric quantized ranges.
 INT8_MAX = 127.0
 FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 WEIGHT_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
-                 "w8a8_int8": np.dtype(np.int8)}
+                 "w8a8_int8": np.dtype(np.int8),
+                 # Read from compressed-tensors checkpoints only (see _NOT_IMPLEMENTED).
+                 "w8a8_fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 # Hugging Face `quantization_config.quant_method` values we read as published.
-SUPPORTED_CHECKPOINT_METHODS = ("fp8",)
+SUPPORTED_CHECKPOINT_METHODS = ("fp8", compressed_tensors.METHOD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +41,11 @@ class QuantConfig:
     block_size: tuple[int, int] | None = None
     # The checkpoint holds the quantized weights and their scales (else quantized on load).
     prequantized: bool = False
+    # Whose layout a pre-quantized checkpoint has: None for Hugging Face's fp8 format
+    # (`weight_scale_inv`), "compressed-tensors" (`weight_scale` [out, 1] or [1]).
+    checkpoint_format: str | None = None
+    # One scale for the whole weight in the checkpoint (held per output channel, repeated).
+    per_tensor_scale: bool = False
 
     @property
     def weight_dtype(self) -> np.dtype:
@@ -67,6 +78,9 @@ def from_hf_config(quantization_config: dict[str, Any] | None) -> QuantConfig | 
     if method not in SUPPORTED_CHECKPOINT_METHODS:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; "
                          f"supported: {SUPPORTED_CHECKPOINT_METHODS}")
+    if method == compressed_tensors.METHOD:
+        return QuantConfig(**compressed_tensors.from_config(quantization_config),
+                           prequantized=True, checkpoint_format=method)
     fmt = quantization_config.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (fp8 weights are "
@@ -104,9 +118,13 @@ def resolve(checkpoint: QuantConfig | None, requested: str | None, is_moe: bool
         return None
     else:
         chosen = QuantConfig(requested)
-    if is_moe:
-        raise ValueError(f"quantization {chosen.method!r} is not implemented for MoE models "
-                         f"(expert weights)")
+    if is_moe and chosen.prequantized:
+        raise ValueError(f"pre-quantized {chosen.method!r} checkpoints of MoE models are not "
+                         f"implemented (their expert weights); quantize a float checkpoint "
+                         f"on load instead")
+    if is_moe and chosen.method not in MOE_METHODS:
+        raise ValueError(f"quantization {chosen.method!r} is not implemented for MoE expert "
+                         f"weights; MoE models take {MOE_METHODS}")
     return chosen
 
 

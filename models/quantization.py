@@ -69,6 +69,11 @@ def quantized_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array,
     if quant.method == "w8a8_int8":
         xq, x_scale = quantize_activations_int8(x)
         y = _dot(xq, kernel, jnp.int32).astype(jnp.float32) * x_scale
+    elif quant.method == "w8a8_fp8":
+        # Exactly what an fp8 x fp8 dot computes (XLA:CPU runs it in float32; read from
+        # compressed-tensors checkpoints only, see models/quant_config.py).
+        xq, x_scale = quantize_activations_fp8(x)
+        y = _dot(xq, kernel, jnp.float32) * x_scale
     else:
         y = _dot(x, kernel, jnp.float32)
     return (y * scale[0]).astype(x.dtype)
@@ -80,6 +85,16 @@ def quantize_activations_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
     xq = jnp.clip(jnp.round(xf / x_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return xq, x_scale
+
+
+def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., in] -> (float8_e4m3fn [..., in], float32 scale [..., 1]): per token, scale =
+    max |x| / 448, as compressed-tensors' dynamic token activations."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / FP8_E4M3_MAX, 1.0)
+    xq = jnp.clip(xf / x_scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
     return xq, x_scale
 
 

@@ -26,6 +26,8 @@ from jax.sharding import PartitionSpec as P
 from jaxrunner.parallel import TENSOR_AXIS, check_tp_size, effective_kv_heads
 from models.config import ModelConfig
 from models.loader import ParamSource, is_stacked, read_full
+from models.moe_checkpoint import is_expert_param
+from models.moe_quant import SCALE_SUFFIX
 
 T = TENSOR_AXIS
 # (nnx parameter path regex, PartitionSpec); the first match wins, no match means replicated.
@@ -57,6 +59,10 @@ def partition_spec(path: tuple, expert_axes: tuple[str, ...] = ()) -> P:
     """The parameter's PartitionSpec; `expert_axes` (expert parallelism) split expert slots."""
     if path[-1] == "weight_scale":  # a quantized linear's scales shard with its kernel
         return partition_spec(path[:-1] + ("kernel",), expert_axes)
+    if is_expert_param(path) and path[-1].endswith(SCALE_SUFFIX):
+        # A quantized expert's scales [L, P, 1, out]: its kernel's spec, in-features unsplit.
+        kernel = partition_spec(path[:-1] + (path[-1].removesuffix(SCALE_SUFFIX),), expert_axes)
+        return P(*kernel[:2], None, *kernel[3:])
     name = path_name(path)
     if expert_axes and _EXPERTS.search(name):
         return P(None, expert_axes, None, None)

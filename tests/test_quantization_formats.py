@@ -157,11 +157,6 @@ def test_conflicting_quantization_named(fp8_checkpoints):
         Engine(model_path=str(fp8), quantization="int8")
 
 
-def test_moe_quantization_refused(checkpoint):
-    with pytest.raises(ValueError, match="not implemented for MoE models"):
-        Engine(model_path=str(checkpoint("tiny-qwen3-moe")), quantization="int8")
-
-
 # ---- what XLA makes of the quantized matmuls on this platform ----
 
 def _weight_converts(method: str) -> list[str]:

@@ -60,6 +60,19 @@ class AttentionBackend(abc.ABC):
         pages, flat: see the module docstring), layer i32[] -> (out [T, num_heads, head_dim],
         kv_cache with the new K/V written at `forward_batch.out_cache_loc` of `layer`)."""
 
+    def forward_scaled(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch, metadata,
+                       k_scale: jax.Array, v_scale: jax.Array):
+        """`forward` with the layer's KV cache scales (float32 scalars; models/kv_scales.py).
+        The cache holds k / k_scale and v / v_scale; q * k_scale scores the stored keys as the
+        real ones, and the output times v_scale is the real values' weighted sum. The scales
+        never reach a kernel, and being layer data (scanned with the weights) no value of
+        theirs recompiles anything."""
+        f32 = jnp.float32
+        out, kv_cache = self.forward(q.astype(f32) * k_scale, k.astype(f32) / k_scale,
+                                     v.astype(f32) / v_scale, kv_cache, layer, forward_batch,
+                                     metadata)
+        return (out.astype(f32) * v_scale).astype(q.dtype), kv_cache
+
     def page_offset(self, kv_cache: jax.Array, layer: jax.Array) -> jax.Array:
         """The row of `layer`'s page 0 in the flat cache."""
         return layer * (kv_cache.shape[0] // self.config.num_layers)
