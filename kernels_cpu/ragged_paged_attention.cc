@@ -455,18 +455,27 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
   // into L2 while this one is computed: rows come from scattered pages, and without the
   // prefetch each K load waits on memory (decode ran at a third of the bandwidth).
   const T* rows_buf[2][2][kTile];
+  // The first K row of the sequence's page `i` (clamped, so padding reads a real page).
+  auto page_base = [&](int64_t i) {
+    int64_t page = page_row[std::min(i, P.pages_per_seq - 1)];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), P.num_pages - 1);
+    return P.kv + page * P.page_size * stride_token + 2 * it.kv_head * D;
+  };
   auto locate = [&](int64_t c0, const T** k_rows, const T** v_rows) {
     const int n = int(std::min<int64_t>(kTile, kv_end - c0));
+    // One division per tile: the slot walks its page and steps to the next one at the end.
+    int64_t page = c0 / P.page_size, slot = c0 % P.page_size;
+    const T* base = page_base(page);
     for (int c = 0; c < n; ++c) {
-      const int64_t pos = c0 + c;
-      int64_t page = page_row[std::min(pos / P.page_size, P.pages_per_seq - 1)];
-      page = std::min<int64_t>(std::max<int64_t>(page, 0), P.num_pages - 1);
-      k_rows[c] = P.kv + (page * P.page_size + pos % P.page_size) * stride_token
-                  + 2 * it.kv_head * D;
+      k_rows[c] = base + slot * stride_token;
       v_rows[c] = k_rows[c] + D;
       const char* line = reinterpret_cast<const char*>(k_rows[c]);
       for (int64_t b = 0; b < int64_t(2 * D * sizeof(T)); b += 64)
         __builtin_prefetch(line + b, 0, 2);
+      if (++slot == P.page_size) {
+        slot = 0;
+        base = page_base(++page);
+      }
     }
   };
   if (kv_begin < kv_end) locate(kv_begin, rows_buf[0][0], rows_buf[0][1]);
