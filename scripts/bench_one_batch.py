@@ -13,8 +13,9 @@ back. Decode steps alternate between two ways of timing:
 - split: a wait after each stage, giving host batch building, the transfer to the device, the
   device step (forward + sample) and host post-processing (`host_fraction` = the host's share).
 Per decode step it also reports the FLOPs and bytes (weights + KV read/written + activations),
-the time the step's matmuls alone take at its padded batch size (each [B, in] x [in, out] timed
-here: `matmul_s`, `step_vs_matmul`), and the roofline max(FLOPs / peak rate, bytes / bandwidth),
+the time the step's matmuls alone take at its padded batch size (every layer's [B, in] x [in, out]
+and the LM head, timed as bench_common.measure_matmul_rates does: `matmul_s`, `step_vs_matmul`),
+and the roofline max(FLOPs / peak rate, bytes / bandwidth),
 the peak being the best matmul rate measured at the model's shapes.
 
 Batch sizes run smallest first; one whose predicted time would pass `--time-budget` is skipped.
