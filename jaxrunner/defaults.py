@@ -12,6 +12,14 @@ Chosen from the platform and the KV capacity, as SGLang chooses its own from the
 | compile | LLVM optimisation level 1 | XLA's default | on a CPU the matmuls are YNNPACK's and attention is the C++ kernel, so LLVM -O3 on the remaining fusions bought no measurable step time and cost 20% of every compile |
 
 `docs/performance.md` has the benchmark runs behind the CPU column.
+
+What follows the CPU's instruction set rather than an argument:
+
+| what | chosen from | why |
+|---|---|---|
+| the C++ attention kernel's build | `-march=native` (kernels_cpu), once per machine | the compiler's vectors and FMA for this CPU |
+| its vector width and register blocks | the ISA it is built for: 16 floats and 32 registers (AVX-512), 8 and 16 (AVX2), 4 and 16 or 32 (SSE, NEON) | 16-float vectors on AVX2 spilled every accumulator: decode attention 6.6x and prefill attention 17.8x slower on a Zen 3 VM (docs/performance.md, issue 19) |
+| `dtype="auto"` | the checkpoint's `torch_dtype`, on every CPU | bfloat16 on an AVX2 CPU without avx512_bf16 ran the batch-64 decode step 1.07x and prefill 1.15x slower than float32, but float32 takes twice the weight memory; not switched |
 """
 
 from jaxrunner.buckets import MIN_DECODE_BATCH, MIN_EXTEND_TOKENS
