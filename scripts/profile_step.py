@@ -93,25 +93,24 @@ def trace_events(trace_dir: str) -> list[tuple[str, float]]:
     return events
 
 
-def profile(run, steps: int, kinds: dict[str, str]) -> dict:
-    """Runs `run()` `steps` times under the profiler; seconds per step of each kind."""
+def profile(engine, run, repeats: int) -> dict:
+    """Runs `run()` (-> the BatchRunner steps it ran) `repeats` times under the profiler;
+    seconds per repeat of each kind, read against the executables of the buckets it used."""
     with tempfile.TemporaryDirectory() as trace_dir:
         t0 = time.perf_counter()
         with jax.profiler.trace(trace_dir):
-            for _ in range(steps):
-                run()
-        wall = (time.perf_counter() - t0) / steps
+            steps = [step for _ in range(repeats) for step in run()]
+        wall = (time.perf_counter() - t0) / repeats
+        buckets = {step["bucket"] for step in steps}
+        kinds = instruction_kinds("\n".join(
+            executable.as_text() for key, executable in engine.runner.executables.items()
+            if key[0] in buckets))
         per_kind = collections.Counter()
         for name, seconds in trace_events(trace_dir):
             if name in kinds:
-                per_kind[kinds[name]] += seconds / steps
-    return {"step_s_traced": wall, "kinds_s": {k: per_kind.get(k, 0.0) for k in KINDS}}
-
-
-def executable_text(engine, mode: ForwardMode, num_tokens: int, num_reqs: int) -> str:
-    bucket = engine.worker.pick_bucket(mode, num_tokens, num_reqs)
-    return "\n".join(executable.as_text() for key, executable in engine.runner.executables.items()
-                     if key[0] == bucket)
+                per_kind[kinds[name]] += seconds / repeats
+    return {"step_s_traced": wall, "steps": len(steps) // repeats,
+            "kinds_s": {k: per_kind.get(k, 0.0) for k in KINDS}}
 
 
 def parse_args(argv=None):
@@ -142,24 +141,17 @@ def main(argv=None) -> dict:
     runner = BatchRunner(engine)
     reqs = make_reqs(batch, args.input_len, args.steps + 8, cfg.vocab_size, 0)
     runner.prefill(reqs, args.max_prefill_tokens)
-    decode = lambda: runner.step(reqs, ForwardMode.DECODE, [1] * batch, split=False)  # noqa: E731
+    decode = lambda: [runner.step(reqs, ForwardMode.DECODE, [1] * batch, split=False)]  # noqa: E731
     for _ in range(2):
         decode()
-    timed = [decode()["step_s"] for _ in range(3)]
-    decode_kinds = instruction_kinds(executable_text(engine, ForwardMode.DECODE, batch, batch))
-    decode_profile = profile(decode, args.steps, decode_kinds)
+    timed = [decode()[0]["step_s"] for _ in range(3)]
+    decode_profile = profile(engine, decode, args.steps)
     decode_profile["step_s"] = statistics.median(timed)
     runner.release(reqs)
 
     # A second batch of the same prompts, prefilled under the trace (chunked as the engine does).
     fresh = make_reqs(batch, args.input_len, 2, cfg.vocab_size, 1)
-    chunk = min(args.max_prefill_tokens, batch * args.input_len)
-    prefill_kinds = instruction_kinds(executable_text(engine, ForwardMode.EXTEND, chunk,
-                                                      max(1, chunk // args.input_len)))
-    prefill_steps = -(-batch * args.input_len // args.max_prefill_tokens)
-    prefill_profile = profile(lambda: runner.prefill(fresh, args.max_prefill_tokens), 1,
-                              prefill_kinds)
-    prefill_profile["steps"] = prefill_steps
+    prefill_profile = profile(engine, lambda: runner.prefill(fresh, args.max_prefill_tokens), 1)
     runner.release(fresh)
     backend = engine.runner.attention_backend_name
     engine.shutdown()
