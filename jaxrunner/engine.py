@@ -40,7 +40,9 @@ class Engine(EngineLifecycle):
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.compile_monitor = CompileMonitor()
-        self.worker = create_worker(args, self.model_config, self.compile_monitor)
+        # Start-up compiles are this engine's own: another warm engine in the process lets them be.
+        with self.compile_monitor.owning():
+            self.worker = create_worker(args, self.model_config, self.compile_monitor)
         self.args = self.worker.args
         if self.args.disallow_compile_after_warmup:
             self.compile_monitor.forbid()

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrunner.compile_guard import in_this_context
 from jaxrunner.config import FP8_KV_CACHE_DTYPES
 
 
@@ -43,8 +44,8 @@ class TokenToKVPool:
             # a sharding that spans several processes (multi-host) works the same way.
             self._zeros = jax.jit(partial(jnp.zeros, self.shape, self.dtype),
                                   out_shardings=sharding)
-            self._allocating = threading.Thread(target=self._allocate, name="kv-cache-zeros",
-                                                daemon=True)
+            self._allocating = threading.Thread(target=in_this_context(self._allocate),
+                                                name="kv-cache-zeros", daemon=True)
             self._allocating.start()
 
     def _allocate(self) -> None:

@@ -31,7 +31,7 @@ from jaxrunner.attention import AttentionConfig, create_attention_backend, resol
 from jaxrunner.buckets import (Bucket, all_buckets, executable_mode, extend_buckets,
                                pick_bucket, sample_batch_sizes, split_prefill_buckets,
                                verify_buckets)
-from jaxrunner.compile_guard import CompileMonitor
+from jaxrunner.compile_guard import CompileMonitor, in_this_context
 from jaxrunner.config import FP8_KV_CACHE_DTYPES, EngineArgs
 from jaxrunner.dllm.algorithm import DllmInput
 from jaxrunner.dllm.plan import DllmPlan
@@ -446,7 +446,7 @@ class ModelRunner:
         progress = tqdm(total=len(jobs), desc="compiling buckets",
                         disable=not self.args.show_progress)
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            futures = [pool.submit(job) for job in jobs]
+            futures = [pool.submit(in_this_context(job)) for job in jobs]
             try:
                 for future in futures:
                     future.result()

@@ -2,6 +2,7 @@
 
 import re
 
+import jax
 import jax.monitoring
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
-from jaxrunner.compile_guard import COMPILE_EVENT
+from jaxrunner.compile_guard import COMPILE_EVENT, CompileAfterWarmupError
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.forward_mode import ForwardMode
 from jaxrunner.model_runner import ForwardModeNotImplemented
@@ -81,6 +82,28 @@ def test_waves_of_64_requests_with_16_running_never_compile_and_free_every_page(
         assert len(r.output_ids) == r.sampling_params.max_new_tokens
         assert r.finished_reason == {"type": "length", "length": r.max_new_tokens}
     assert _all_pages_free(engine)
+
+
+def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwargs):
+    """The compile guard is per engine: a warm engine that refuses compiles lets a second one
+    start in the same process (its compiles are its own) and counts none of them, while a
+    compile nobody owns is still refused."""
+    before = engine.compile_monitor.count
+    other = Engine(model_path=str(checkpoint("tiny-qwen2")),
+                   **dict(engine_kwargs, max_running_requests=2, max_prefill_tokens=32))
+    try:
+        assert other.compile_monitor.count > 0  # it compiled its buckets
+        out = other.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
+        assert len(out["output_ids"]) == 3
+        with other.compile_monitor.allowed():  # as a weight update's helper program compiles
+            jax.jit(lambda x: x * 3 + 1)(np.arange(7, dtype=np.float32)).block_until_ready()
+        assert engine.compile_monitor.count == before
+        with pytest.raises(CompileAfterWarmupError):
+            jax.jit(lambda x: x * 5 - 2)(np.arange(11, dtype=np.float32)).block_until_ready()
+    finally:
+        other.shutdown()
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
+    assert len(out["output_ids"]) == 3
 
 
 def test_batched_greedy_equals_one_at_a_time(engine):

@@ -22,8 +22,8 @@ ABORT = [(_rng.integers(3, VOCAB, size=n).tolist(), 12) for n in (5, 150, 90, 12
 @pytest.fixture(scope="module")
 def plain_tokens(checkpoint, engine_kwargs):
     """The reference: each request's greedy tokens without split prefill, alone (test_engine's
-    engine settings, so the executable cache has them). One engine at a time: the compile
-    guard is process-wide."""
+    engine settings, so the executable cache has them), shut down before the split engine
+    starts: one engine's memory at a time."""
     engine = Engine(model_path=str(checkpoint("tiny-llama")), **engine_kwargs)
     try:
         return {tuple(p): engine.generate(input_ids=p, sampling_params=dict(
