@@ -291,6 +291,7 @@ inline vi tree_keep(const Problem<T>& P, int64_t t, int64_t rel) {
 struct Item {
   int32_t seq, kv_head, token_begin, token_end;
   int64_t cost;
+  int32_t num_heads = 1;  // KV heads kv_head .. kv_head + num_heads - 1, one after another
 };
 
 // Per-thread scratch, grown on demand.
@@ -413,8 +414,10 @@ inline void direct_all(int64_t rows, const float* q, int64_t head_dim, const T* 
   }
 }
 
+// One KV head of an item. `prefetch_bytes`: how much of each K row's slot to prefetch (the
+// head's K and V rows, or the whole slot for the heads that follow in the same item).
 template <typename T>
-void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
+void attend(const Problem<T>& P, const Item& it, Scratch& sc, int64_t prefetch_bytes) {
   const int64_t D = P.head_dim, G = P.group;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
   const int64_t q_begin = P.cu_q_lens[it.seq];
@@ -453,13 +456,19 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
   const bool direct = D % kLanes == 0 && rows <= kDirectRows;
   // K and V row pointers of the current and the next tile. The next tile's rows are prefetched
   // into L2 while this one is computed: rows come from scattered pages, and without the
-  // prefetch each K load waits on memory (decode ran at a third of the bandwidth).
+  // prefetch each K load waits on memory (decode ran at a third of the bandwidth). A direct
+  // (decode) item prefetches them a group of keys at a time between its score groups: issued
+  // all at once, the prefetches fill the miss buffers and the core stalls on them (1.1x).
   const T* rows_buf[2][2][kTile];
   // The first K row of the sequence's page `i` (clamped, so padding reads a real page).
   auto page_base = [&](int64_t i) {
     int64_t page = page_row[std::min(i, P.pages_per_seq - 1)];
     page = std::min<int64_t>(std::max<int64_t>(page, 0), P.num_pages - 1);
     return P.kv + page * P.page_size * stride_token + 2 * it.kv_head * D;
+  };
+  auto prefetch_row = [prefetch_bytes](const T* row) {
+    const char* line = reinterpret_cast<const char*>(row);
+    for (int64_t b = 0; b < prefetch_bytes; b += 64) __builtin_prefetch(line + b, 0, 2);
   };
   auto locate = [&](int64_t c0, const T** k_rows, const T** v_rows) {
     const int n = int(std::min<int64_t>(kTile, kv_end - c0));
@@ -469,9 +478,7 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
     for (int c = 0; c < n; ++c) {
       k_rows[c] = base + slot * stride_token;
       v_rows[c] = k_rows[c] + D;
-      const char* line = reinterpret_cast<const char*>(k_rows[c]);
-      for (int64_t b = 0; b < int64_t(2 * D * sizeof(T)); b += 64)
-        __builtin_prefetch(line + b, 0, 2);
+      if (!direct || c0 == kv_begin) prefetch_row(k_rows[c]);
       if (++slot == P.page_size) {
         slot = 0;
         base = page_base(++page);
@@ -487,7 +494,15 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc) {
       locate(c0 + kTile, rows_buf[(tile + 1) & 1][0], rows_buf[(tile + 1) & 1][1]);
     int64_t r = 0;
     if (direct) {
-      direct_all(rows, q, D, k_rows, v_rows, n, s, o, /*scores=*/true);
+      const int n_next = int(std::clamp<int64_t>(kv_end - c0 - kTile, 0, kTile));
+      const T* const* next_rows = rows_buf[(tile + 1) & 1][0];
+      for (int g = 0; g < n; g += kLanes) {
+        for (int c = g; c < std::min(g + kLanes, n_next); ++c) prefetch_row(next_rows[c]);
+        direct_all(rows, q, D, k_rows + g, v_rows + g, std::min(kLanes, n - g), s + g, o,
+                   /*scores=*/true);
+      }
+      for (int c = (n + kLanes - 1) / kLanes * kLanes; c < n_next; ++c)
+        prefetch_row(next_rows[c]);
     } else {
       // Gather the tile: K transposed to [D, kTile], V as [kTile, Dp]; unused keys are zero.
       for (int c = 0; c < n; ++c) {
@@ -574,6 +589,13 @@ std::vector<Item> make_items(const Problem<T>& P, int32_t num_seqs) {
       const int64_t keys = P.bound ? std::max<int64_t>(1, kv_len)
                                    : std::max<int64_t>(1, std::min(kv_len, kv_len - (end - t1)));
       const int64_t span = P.window > 0 ? std::min<int64_t>(keys, P.window + (t1 - t0)) : keys;
+      if ((t1 - t0) * P.group <= kDirectRows) {
+        // Few rows (decode): one item walks every KV head of the sequence in turn, so one
+        // thread reads a page's slots whole and in order (1.2x at 64 x 512 keys, 2 heads).
+        items.push_back({s, 0, int32_t(t0), int32_t(t1),
+                         (t1 - t0) * span * P.num_kv_heads, int32_t(P.num_kv_heads)});
+        continue;
+      }
       for (int64_t h = 0; h < P.num_kv_heads; ++h)
         items.push_back({s, int32_t(h), int32_t(t0), int32_t(t1), (t1 - t0) * span});
     }
@@ -599,7 +621,15 @@ void run_items(const Problem<T>& P, const std::vector<Item>& items, Shared& shar
   thread_local Scratch scratch;
   const int64_t n = int64_t(items.size());
   for (int64_t i; (i = shared.next.fetch_add(1)) < n;) {
-    attend(P, items[i], scratch);
+    const Item& it = items[i];
+    const int64_t rows_bytes = 2 * P.head_dim * sizeof(T);  // a head's K and V rows
+    // The item's first head prefetches every head's rows of each slot it visits.
+    for (int32_t h = 0; h < it.num_heads; ++h) {
+      Item head = it;
+      head.kv_head = it.kv_head + h;
+      head.num_heads = 1;
+      attend(P, head, scratch, h == 0 ? rows_bytes * it.num_heads : rows_bytes);
+    }
     shared.done.fetch_add(1, std::memory_order_release);
   }
 }
