@@ -362,10 +362,10 @@ class EngineArgs:
 
     def _check_tree(self, topk: int, steps: int, tokens: int) -> None:
         """Tree drafting (jaxrunner/speculative/tree.py): what it implements and needs."""
-        if self.speculative_algorithm != "STANDALONE":
-            raise ValueError(f"speculative_eagle_topk > 1 (tree drafting) is implemented for "
-                             f"speculative_algorithm 'STANDALONE' only, not "
-                             f"{self.speculative_algorithm!r}; use speculative_eagle_topk=1")
+        if self.speculative_algorithm == "NGRAM":
+            raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not implemented for "
+                             "speculative_algorithm 'NGRAM' (EAGLE, EAGLE3 and STANDALONE draft "
+                             "trees); use speculative_eagle_topk=1")
         # The frontier of every step but the last lives in the verify window while drafting.
         frontier = 1 + topk * (steps - 1)
         if tokens < frontier:

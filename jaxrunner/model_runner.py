@@ -574,7 +574,7 @@ class ModelRunner:
             return partial(split_prefill_step, self.graphdef, self.attn_backend, self.moe_runner)
         if mode == ForwardMode.TARGET_VERIFY and self.speculative.tree_steps:
             return partial(tree_verify_step, self.graphdef, self.attn_backend, self.moe_runner,
-                           self.speculative.tree_steps)
+                           self.speculative.tree_steps, self.aux_layers, self.speculative.capture)
         if mode == ForwardMode.TARGET_VERIFY:
             return partial(verify_step, self.graphdef, self.attn_backend, self.moe_runner,
                            self.aux_layers, self.speculative.capture)

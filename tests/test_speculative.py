@@ -217,9 +217,10 @@ def _rms(x, w, eps):
     return w * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
 
 
-def torch_head(head_dir, algorithm, target, tokens_next, hidden):
+def torch_head(head_dir, algorithm, target, tokens_next, hidden, own=None):
     """An independent EAGLE / EAGLE-3 head: tokens_next [P] (the token after each position),
-    hidden [P, Hc] (the target's) -> (output [P, D], logits [P, V_draft])."""
+    hidden [P, Hc] (the target's; or its first P - Q rows, then `own` [Q, D]: the head's own
+    outputs, as its draft steps read them) -> (output [P, D], logits [P, V_draft])."""
     w = {k: torch.from_numpy(np.asarray(v)) for k, v in load_file(head_dir / "model.safetensors").items()}
     cfg = LlamaConfig.from_pretrained(head_dir)
     eps, nh, nkv = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -227,8 +228,12 @@ def torch_head(head_dir, algorithm, target, tokens_next, hidden):
     embeds = target.model.embed_tokens(torch.tensor(tokens_next))
     eagle3 = algorithm == "EAGLE3"
     p = "midlayer." if eagle3 else "layers.0."
+    if own is not None and not eagle3:
+        hidden = torch.cat([hidden, own], 0)
     if eagle3:
         h = hidden @ w["fc.weight"].T
+        if own is not None:  # the head's own outputs skip fc
+            h = torch.cat([h, own], 0)
         x = torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], eps),
                        _rms(h, w[p + "hidden_norm.weight"], eps)], -1)
         residual = h

@@ -37,10 +37,11 @@ def test_select_keeps_the_best_nodes_with_their_parents():
     tokens = jnp.asarray([[10, 11, 20, 21, 30, 31]], jnp.int32)
     scores = jnp.asarray([[-1.0, -2.0, -1.5, -3.0, -2.2, -9.0]])
     parents = jnp.asarray([[-1, -1, 0, 0, 1, 1]], jnp.int32)
-    chosen, tree_parents = select(tokens, scores, parents, num_nodes=5)
+    chosen, tree_parents, cand = select(tokens, scores, parents, num_nodes=5)
     # The best four: a, b, a's first, b's first, in candidate order (parents first).
     assert chosen.tolist() == [[10, 11, 20, 30]]
     assert tree_parents.tolist() == [[-1, 0, 0, 1, 2]]
+    assert cand.tolist() == [[0, 1, 2, 4]]
 
 
 def test_expand_scores_children_by_their_path():

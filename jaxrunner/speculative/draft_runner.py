@@ -23,6 +23,7 @@ from jaxrunner.buckets import (Bucket, decode_buckets, extend_buckets, pick_buck
 from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.kv_cache import TokenToKVPool, kv_bytes_per_token
 from jaxrunner.model_runner import ForwardModeNotImplemented, ModelRunner, _forward_step
+from jaxrunner.speculative.eagle_tree import eagle_tree_draft_step
 from jaxrunner.speculative.spec_info import (DraftDecodeInput, DraftExtendInput,
                                              DraftPrefillInput, TreeCatchupInput, TreeDraftInput)
 from jaxrunner.speculative.steps import (DraftState, draft_decode_step, draft_extend_step,
@@ -58,8 +59,8 @@ class DraftRunner(ModelRunner):
 
     def __init__(self, target: ModelRunner, kind: str, config, path: str, window: int,
                  topk: int = 1, num_steps: int = 0):
-        """`topk` > 1: a standalone draft drafting trees of `num_steps` levels in the verify
-        window (jaxrunner/speculative/tree.py)."""
+        """`topk` > 1: drafting trees of `num_steps` levels in the verify window
+        (jaxrunner/speculative/tree.py; an EAGLE head's: speculative/eagle_tree.py)."""
         self.target = target
         self.topk, self.num_steps = topk, num_steps
         self.kind = kind
@@ -191,9 +192,12 @@ class DraftRunner(ModelRunner):
         if mode == ForwardMode.DECODE:
             return partial(draft_decode_step, self.graphdef, backend, target)
         if self.tree and mode == ForwardMode.TARGET_VERIFY:
+            if self.head_config is not None:
+                return partial(eagle_tree_draft_step, self.graphdef, backend, target, self.topk,
+                               self.num_steps)
             return partial(tree_draft_step, self.graphdef, backend, self.moe_runner, self.topk,
                            self.num_steps)
-        if self.tree and mode == ForwardMode.DRAFT_EXTEND:
+        if self.tree and self.head_config is None and mode == ForwardMode.DRAFT_EXTEND:
             return partial(tree_catchup_step, self.graphdef, backend, self.moe_runner)
         if mode == ForwardMode.DRAFT_EXTEND:
             return partial(draft_extend_step, self.graphdef, backend, target)
@@ -225,7 +229,7 @@ class DraftRunner(ModelRunner):
             return DraftDecodeInput(i32(R), i32(), jax.ShapeDtypeStruct((R,), jnp.bool_))
         if bucket.mode == ForwardMode.TARGET_VERIFY:
             return TreeDraftInput(i32(R))
-        if self.tree:
+        if self.tree and self.head_config is None:
             return TreeCatchupInput(i32(R, self.window))
         return DraftExtendInput(i32(R), i32(R, self.window), i32(R), hidden)
 
@@ -237,7 +241,8 @@ class DraftRunner(ModelRunner):
         return self._replay(Bucket(ForwardMode.DRAFT_EXTEND, fb.num_tokens, fb.batch_size), fb)
 
     def forward_target_verify(self, fb):
-        """A tree drafter's tree step (TARGET_VERIFY-shaped: the verify window)."""
+        """A tree drafter's tree step (TARGET_VERIFY-shaped: the verify window); an EAGLE
+        head's returns the tree's node scores f32[R, W] (`eagle_tree_draft_step`)."""
         if not self.tree:
             raise ForwardModeNotImplemented("a chain draft runner has no TARGET_VERIFY step")
         return self._replay(Bucket(ForwardMode.TARGET_VERIFY, fb.num_tokens, fb.batch_size), fb)

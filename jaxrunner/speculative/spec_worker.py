@@ -84,9 +84,10 @@ class SpeculativeWorker:
         dtype = jax.numpy.dtype(model_config.resolve_dtype(args.dtype))
         kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
         heads = self.algorithm in HEADS
-        # Trees (a standalone draft only; EngineArgs refuses the rest): speculative.tree.
+        # Trees (a standalone draft or an EAGLE head; EngineArgs refuses NGRAM's):
+        # speculative.tree, speculative.eagle_tree.
         self.tree_steps = args.speculative_num_steps if args.speculative_eagle_topk > 1 else 0
-        if self.tree_steps and (model_config.sliding_window or draft_config.sliding_window):
+        if self.tree_steps and (model_config.sliding_window or layer.sliding_window):
             # The kernels count a window back from a token's KV slot, a tree node's position is
             # its depth: the window would be off by the node's slot minus its depth.
             raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not implemented for "
@@ -252,7 +253,8 @@ class SpeculativeWorker:
 
     def _tree_round(self, batch: ModelWorkerBatch, limits: list[int]) -> SpecRoundResult:
         """A round with a draft tree (jaxrunner/speculative/tree.py): the draft's tree step over
-        the window, the target's tree verify, the draft's catch-up over the accepted path."""
+        the window, the target's tree verify, the draft's catch-up over the accepted path (an
+        EAGLE head's DRAFT_EXTEND with the target's hidden states along it)."""
         runner, draft = self.target.model_runner, self.draft
         R, n = batch.bucket.num_reqs, batch.num_reqs
         num_drafts = np.zeros(R, np.int32)
@@ -269,7 +271,12 @@ class SpeculativeWorker:
             batch, forward_mode=ForwardMode.DRAFT_EXTEND,
             bucket=Bucket(ForwardMode.DRAFT_EXTEND, batch.bucket.num_tokens, R))
         fb, _ = ForwardBatch.init_new(extend, draft.no_prev_tokens, draft.no_input_embeds)
-        draft.forward(fb.replace(spec_info=TreeCatchupInput(tokens=out.tokens)))
+        if self.algorithm in HEADS:  # the chain's DRAFT_EXTEND over the accepted path
+            info = DraftExtendInput(slots=slots, tokens=out.tokens, accept_len=out.accept_len,
+                                    hidden_states=out.hidden_states)
+        else:
+            info = TreeCatchupInput(tokens=out.tokens)
+        draft.forward(fb.replace(spec_info=info))
         accept_len, tokens, logprobs = jax.device_get((out.accept_len, out.tokens,
                                                        out.logprobs))
         return SpecRoundResult(accept_len[:n], tokens[:n], logprobs[:n])

@@ -8,6 +8,7 @@ step (column 0 is the first), and `hidden` [S, H], the hidden state the next dra
 straight from `tokens`; nothing goes back to the host until the round's accepted tokens do.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -70,13 +71,23 @@ def verify_step(graphdef, backend, moe_runner, aux_layers, capture, state, kv_ca
     return VerifyOutput(accept_len, tokens, logprobs, captured), kv_cache
 
 
+def head_logits(model, hidden, shared):
+    """An EAGLE head's logits f32[N, V'] for its outputs [N, H]: EAGLE-3's own norm and head
+    over its draft vocabulary, EAGLE's through the target's LM head (un-normed output)."""
+    if hasattr(model, "lm_head"):
+        return model.compute_logits(hidden).astype(jnp.float32)
+    return shared.compute_logits(hidden).astype(jnp.float32)
+
+
 def _head_outputs(model, hidden, shared):
-    """(next draft token in target ids, logits source) of an EAGLE head's outputs [N, H]."""
-    if hasattr(model, "lm_head"):  # EAGLE-3: its own norm, head and vocabulary
-        logits = model.compute_logits(hidden)
-    else:  # EAGLE: the target's LM head on the un-normed output
-        logits = shared.compute_logits(hidden)
-    return model.to_target_ids(first_argmax(logits))
+    """The next draft token (target ids) of an EAGLE head's outputs [N, H]."""
+    return model.to_target_ids(first_argmax(head_logits(model, hidden, shared)))
+
+
+def _with_first_draft(draft: DraftState, slots, first, hidden) -> DraftState:
+    """`draft` with column 0 and the hidden state of rows `slots` set (a tree's parents kept)."""
+    return dataclasses.replace(draft, tokens=draft.tokens.at[slots, 0].set(first),
+                               hidden=draft.hidden.at[slots].set(hidden.astype(draft.hidden.dtype)))
 
 
 def draft_prefill_step(graphdef, backend, shared_graphdef, state, shared, kv_cache,
@@ -91,9 +102,7 @@ def draft_prefill_step(graphdef, backend, shared_graphdef, state, shared, kv_cac
     out, kv_cache = model(fb, kv_cache, backend, embeds, info.hidden_states)
     last = out[fb.last_token_indices]
     first = _head_outputs(model, last, target)
-    draft = DraftState(draft.tokens.at[info.slots, 0].set(first),
-                       draft.hidden.at[info.slots].set(last.astype(draft.hidden.dtype)))
-    return None, kv_cache, draft
+    return None, kv_cache, _with_first_draft(draft, info.slots, first, last)
 
 
 def draft_decode_step(graphdef, backend, shared_graphdef, state, shared, kv_cache,
@@ -116,7 +125,8 @@ def draft_decode_step(graphdef, backend, shared_graphdef, state, shared, kv_cach
         out, kv_cache = model(fb, kv_cache, backend, embeds, draft.hidden[info.slots])
         next_tokens = _head_outputs(model, out, target)
         new_hidden = draft.hidden.at[info.slots].set(out.astype(draft.hidden.dtype))
-    draft = DraftState(draft.tokens.at[info.slots, info.step].set(next_tokens), new_hidden)
+    draft = dataclasses.replace(draft, tokens=draft.tokens.at[info.slots, info.step].set(
+        next_tokens), hidden=new_hidden)
     return None, kv_cache, draft
 
 
@@ -137,6 +147,4 @@ def draft_extend_step(graphdef, backend, shared_graphdef, state, shared, kv_cach
                           info.hidden_states)
     last = out[jnp.arange(R) * W + info.accept_len]
     first = _head_outputs(model, last, target)
-    draft = DraftState(draft.tokens.at[info.slots, 0].set(first),
-                       draft.hidden.at[info.slots].set(last.astype(draft.hidden.dtype)))
-    return None, kv_cache, draft
+    return None, kv_cache, _with_first_draft(draft, info.slots, first, last)

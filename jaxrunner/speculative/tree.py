@@ -122,10 +122,11 @@ def expand(logprobs: jax.Array, frontier_scores: jax.Array, topk: int):
 
 
 def select(cand_tokens: jax.Array, cand_scores: jax.Array, cand_parents: jax.Array,
-           num_nodes: int) -> tuple[jax.Array, jax.Array]:
+           num_nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The tree of the best `num_nodes` - 1 candidates (R rows of C, parent -1 for a child of
     the root, else the parent's candidate index, always a smaller one) -> (tokens i32[R,
-    num_nodes - 1] of slots 1.., parents i32[R, num_nodes]: slots, -1 for the root)."""
+    num_nodes - 1] of slots 1.., parents i32[R, num_nodes]: slots, -1 for the root, chosen
+    i32[R, num_nodes - 1]: the candidate index of slots 1..)."""
     _, chosen = jax.lax.top_k(cand_scores, num_nodes - 1)    # ties: the earlier candidate
     chosen = jnp.sort(chosen, axis=1)                         # parents before children
     tokens = jnp.take_along_axis(cand_tokens, chosen, axis=1)
@@ -133,4 +134,4 @@ def select(cand_tokens: jax.Array, cand_scores: jax.Array, cand_parents: jax.Arr
     is_parent = chosen[:, None, :] == parent_cand[..., None]                # [R, N-1, N-1]
     parent_slot = jnp.where(parent_cand >= 0, 1 + jnp.argmax(is_parent, axis=-1), 0)
     root = jnp.full((cand_tokens.shape[0], 1), -1, jnp.int32)
-    return tokens, jnp.concatenate([root, parent_slot.astype(jnp.int32)], axis=1)
+    return tokens, jnp.concatenate([root, parent_slot.astype(jnp.int32)], axis=1), chosen

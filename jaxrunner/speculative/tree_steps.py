@@ -1,5 +1,6 @@
-"""The compiled steps of tree drafting (speculative_eagle_topk > 1, a standalone draft model):
-the draft's tree step, the target's tree verify and the draft's catch-up (`speculative.tree`
+"""The compiled steps of tree drafting (speculative_eagle_topk > 1): a standalone draft's tree
+step and catch-up, and the target's tree verify (for every drafter; an EAGLE head's tree step is
+`speculative.eagle_tree`, its catch-up the chain's DRAFT_EXTEND) (`speculative.tree`
 describes the tree and its layout in the verify window).
 
 The draft's tree step runs the draft S times over the request's window of W slots (the slots
@@ -18,7 +19,7 @@ from flax import nnx
 from jaxrunner.forward_batch import ForwardBatch
 from jaxrunner.memory_pool import DUMMY_PAGE
 from jaxrunner.sampling_params import GREEDY_TEMPERATURE
-from jaxrunner.speculative.steps import DraftState, VerifyOutput
+from jaxrunner.speculative.steps import DraftState, VerifyOutput, captured_hidden
 from jaxrunner.speculative.tree import (accept_tree_greedy, compact_path_kv, expand, select,
                                         tree_attention_inputs)
 from jaxrunner.speculative.tree_sampling import accept_tree_sampled
@@ -70,7 +71,7 @@ def tree_draft_step(graphdef, backend, moe_runner, topk: int, num_steps: int, st
                 first + jnp.take_along_axis(grown_from, best, axis=1))
             frontier_cand = num_cands + best
         num_cands += new_tokens.shape[1]
-    tree_tokens, tree_parents = select(jnp.concatenate(cand_tokens, axis=1),
+    tree_tokens, tree_parents, _ = select(jnp.concatenate(cand_tokens, axis=1),
                                        jnp.concatenate(cand_scores, axis=1),
                                        jnp.concatenate(cand_parents, axis=1), N)
     draft = dataclasses.replace(
@@ -79,11 +80,13 @@ def tree_draft_step(graphdef, backend, moe_runner, topk: int, num_steps: int, st
     return None, kv_cache, draft
 
 
-def tree_verify_step(graphdef, backend, moe_runner, num_steps: int, state, kv_cache,
-                     fb: ForwardBatch):
+def tree_verify_step(graphdef, backend, moe_runner, num_steps: int, aux_layers, capture: bool,
+                     state, kv_cache, fb: ForwardBatch):
     """TARGET_VERIFY of a tree: the target over each request's N nodes (read from the draft's
     buffers), acceptance along the tree (greedy rows by exact match, sampled ones losslessly:
-    `speculative.tree_sampling`), the accepted path's KV moved next to the prefix."""
+    `speculative.tree_sampling`), the accepted path's KV moved next to the prefix. `capture`
+    (an EAGLE head drafts): the hidden states the head reads (`captured_hidden`) of the path's
+    nodes, in path order (depth d at window slot d), as a chain's verify gives them."""
     info = fb.spec_info
     fb = fb.prepare()
     R = fb.batch_size
@@ -92,8 +95,8 @@ def tree_verify_step(graphdef, backend, moe_runner, num_steps: int, state, kv_ca
     parents = info.parents[info.slots]
     tokens = jnp.concatenate([fb.input_ids.reshape(R, N)[:, :1], drafts], axis=1)
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache, _, _ = model(_tree_batch(fb, tokens, parents, num_steps), kv_cache,
-                                   backend, moe_runner)
+    hidden, kv_cache, aux, _ = model(_tree_batch(fb, tokens, parents, num_steps), kv_cache,
+                                     backend, moe_runner, aux_layers=aux_layers)
     logits = model.compute_logits(hidden).reshape(R, N, -1)
     window_slots = fb.out_cache_loc.reshape(R, N)
     page_size = kv_cache.shape[2]  # the cache is [L, pages, page_size, 2 K, D]
@@ -110,7 +113,13 @@ def tree_verify_step(graphdef, backend, moe_runner, num_steps: int, state, kv_ca
     accept_len, out, logprobs, path = jax.lax.cond(jnp.all(is_greedy), lambda: greedy,
                                                    with_sampled_rows)
     kv_cache = compact_path_kv(kv_cache, window_slots, path, accept_len)
-    return VerifyOutput(accept_len, out, logprobs, hidden[:0]), kv_cache
+    captured = captured_hidden(hidden, aux)
+    if capture:
+        captured = jnp.take_along_axis(captured.reshape(R, N, -1), path[..., None], axis=1)
+    else:
+        captured = captured[:0]
+    return VerifyOutput(accept_len, out, logprobs, captured.reshape(-1, captured.shape[-1])
+                        ), kv_cache
 
 
 def tree_catchup_step(graphdef, backend, moe_runner, state, shared, kv_cache,
