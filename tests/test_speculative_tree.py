@@ -177,7 +177,6 @@ def test_tree_sampling_keeps_the_targets_distribution_and_a_wrong_rule_does_not(
 
 @pytest.mark.parametrize("spec,message", [
     (dict(TREE, speculative_num_draft_tokens=4), "too small for the draft tree"),
-    (dict(TREE, speculative_algorithm="EAGLE"), "'STANDALONE' only"),
     (dict(TREE, speculative_num_draft_tokens=12), "exceeds the root and the 10 candidates"),
 ])
 def test_bad_tree_arguments_are_refused(checkpoint, spec, message):
