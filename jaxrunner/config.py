@@ -123,8 +123,9 @@ class EngineArgs:
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int = 3
-    # Branches per draft step: 1 drafts a chain; > 1 drafts a tree (STANDALONE drafts only;
-    # jaxrunner/speculative/tree.py) of speculative_num_draft_tokens nodes.
+    # Branches per draft step: 1 drafts a chain; > 1 drafts a tree of
+    # speculative_num_draft_tokens nodes (jaxrunner/speculative/tree.py, eagle_tree.py; NGRAM:
+    # a trie of this many continuations).
     speculative_eagle_topk: int = 1
     # Tokens one verify step checks per request; None: speculative_num_steps + 1 (a chain).
     speculative_num_draft_tokens: int | None = None
@@ -362,10 +363,15 @@ class EngineArgs:
 
     def _check_tree(self, topk: int, steps: int, tokens: int) -> None:
         """Tree drafting (jaxrunner/speculative/tree.py): what it implements and needs."""
-        if self.speculative_algorithm == "NGRAM":
-            raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not implemented for "
-                             "speculative_algorithm 'NGRAM' (EAGLE, EAGLE3 and STANDALONE draft "
-                             "trees); use speculative_eagle_topk=1")
+        if tokens > 64:
+            raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the 64 tree "
+                             f"tokens the attention mask holds")
+        if self.speculative_algorithm == "NGRAM":  # a trie of topk continuations, steps long
+            if tokens - 1 > topk * steps:
+                raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the root and "
+                                 f"the {topk * steps} nodes of {topk} n-gram continuations of "
+                                 f"speculative_num_steps={steps} tokens")
+            return
         # The frontier of every step but the last lives in the verify window while drafting.
         frontier = 1 + topk * (steps - 1)
         if tokens < frontier:
@@ -377,9 +383,6 @@ class EngineArgs:
         if tokens - 1 > candidates:
             raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the root and the "
                              f"{candidates} candidates that {steps} steps of top-{topk} draft")
-        if tokens > 64:
-            raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the 64 tree "
-                             f"tokens the attention mask holds")
 
     @property
     def speculative_window(self) -> int:

@@ -706,7 +706,8 @@ class ModelRunner:
         # The draft model's token buffer: a row per request slot, and a trash row.
         slots = self.req_to_token_pools[0].num_slots + 1
         drafts = i32(slots, plan.window) if plan.draft_buffer else i32(R, plan.window - 1)
-        parents = i32(slots, plan.window) if plan.tree_steps else None
+        parents = (i32(slots if plan.draft_buffer else R, plan.window) if plan.tree_steps
+                   else None)
         return VerifyInput(drafts=drafts, slots=i32(R), num_drafts=i32(R),
                            sampling=abstract_sampling_batch(R), parents=parents)
 

@@ -313,7 +313,7 @@ def test_eagle_heads_match_a_pytorch_implementation(algorithm, checkpoint, engin
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=3,
           speculative_num_draft_tokens=3), "too small"),
     (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=2, speculative_num_steps=3,
-          speculative_num_draft_tokens=8), "tree drafting"),
+          speculative_num_draft_tokens=8), "the 6 nodes of 2 n-gram continuations"),
     (dict(speculative_algorithm="NGRAM", enable_mixed_chunk=True), "enable_mixed_chunk"),
 ])
 def test_bad_speculative_arguments_are_refused(checkpoint, spec, message):

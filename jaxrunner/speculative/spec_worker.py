@@ -84,10 +84,10 @@ class SpeculativeWorker:
         dtype = jax.numpy.dtype(model_config.resolve_dtype(args.dtype))
         kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
         heads = self.algorithm in HEADS
-        # Trees (a standalone draft or an EAGLE head; EngineArgs refuses NGRAM's):
-        # speculative.tree, speculative.eagle_tree.
+        # Trees: speculative.tree (a standalone draft's, NGRAM's tries), speculative.eagle_tree.
         self.tree_steps = args.speculative_num_steps if args.speculative_eagle_topk > 1 else 0
-        if self.tree_steps and (model_config.sliding_window or layer.sliding_window):
+        if self.tree_steps and (model_config.sliding_window
+                                or (layer is not None and layer.sliding_window)):
             # The kernels count a window back from a token's KV slot, a tree node's position is
             # its depth: the window would be off by the node's slot minus its depth.
             raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not implemented for "
@@ -105,9 +105,10 @@ class SpeculativeWorker:
                                   args.speculative_draft_model_path, window,
                                   args.speculative_eagle_topk, args.speculative_num_steps)
                       if draft_config is not None else None)
+        self.topk = args.speculative_eagle_topk
         self.ngram = (NgramProposer(args.speculative_ngram_max_match,
                                     args.speculative_ngram_min_match, self.num_drafts,
-                                    4 * runner.args.max_running_requests)
+                                    4 * runner.args.max_running_requests, keep=self.topk)
                       if self.algorithm == "NGRAM" else None)
         runner.warm_compile_count = runner.compile_monitor.count
 
@@ -191,10 +192,13 @@ class SpeculativeWorker:
     # ---- a round ----
 
     def propose(self, reqs) -> tuple[np.ndarray, np.ndarray] | None:
-        """NGRAM's drafts [n, D] and their counts [n] for `reqs`, from the host; None when a
-        draft model drafts on the device."""
+        """NGRAM's drafts [n, D] and their counts [n] for `reqs` (a tree: its nodes [n, W - 1]
+        and parent slots [n, W], `speculative.tree`'s layout), from the host; None when a draft
+        model drafts on the device."""
         if self.ngram is None:
             return None
+        if self.tree_steps:
+            return self._propose_trees(reqs)
         drafts = np.zeros((len(reqs), self.num_drafts), np.int32)
         counts = np.zeros(len(reqs), np.int32)
         for i, req in enumerate(reqs):
@@ -204,6 +208,18 @@ class SpeculativeWorker:
         self.ngram.retain(r.rid for r in reqs)
         return drafts, counts
 
+    def _propose_trees(self, reqs) -> tuple[np.ndarray, np.ndarray]:
+        W = self.speculative_window
+        drafts = np.zeros((len(reqs), W - 1), np.int32)
+        parents = np.full((len(reqs), W), -1, np.int32)  # unfilled slots: lone nodes
+        for i, req in enumerate(reqs):
+            nodes, up = self.ngram.propose_tree(req.rid, req.fill_ids, self.topk,
+                                                self.tree_steps, W - 1)
+            drafts[i, :len(nodes)] = nodes
+            parents[i, 1:1 + len(up)] = up
+        self.ngram.retain(r.rid for r in reqs)
+        return drafts, parents
+
     def forward_batch_speculative(self, batch: ModelWorkerBatch, limits: list[int],
                                   proposal: tuple[np.ndarray, np.ndarray] | None = None
                                   ) -> SpecRoundResult:
@@ -211,7 +227,7 @@ class SpeculativeWorker:
         known token, pages allocated for them); returns its accepted tokens. `limits[i]`: the
         most drafts request i may accept (its KV slots and output budget)."""
         if self.tree_steps:
-            return self._tree_round(batch, limits)
+            return self._tree_round(batch, limits, proposal)
         runner, draft = self.target.model_runner, self.draft
         R, D = batch.bucket.num_reqs, self.num_drafts
         n = batch.num_reqs
@@ -251,14 +267,18 @@ class SpeculativeWorker:
                                                        out.logprobs))
         return SpecRoundResult(accept_len[:n], tokens[:n], logprobs[:n])
 
-    def _tree_round(self, batch: ModelWorkerBatch, limits: list[int]) -> SpecRoundResult:
+    def _tree_round(self, batch: ModelWorkerBatch, limits: list[int],
+                    proposal: tuple[np.ndarray, np.ndarray] | None) -> SpecRoundResult:
         """A round with a draft tree (jaxrunner/speculative/tree.py): the draft's tree step over
-        the window, the target's tree verify, the draft's catch-up over the accepted path (an
-        EAGLE head's DRAFT_EXTEND with the target's hidden states along it)."""
+        the window (NGRAM: the host's tries, `proposal`), the target's tree verify, the draft's
+        catch-up over the accepted path (an EAGLE head's DRAFT_EXTEND with the target's hidden
+        states along it)."""
         runner, draft = self.target.model_runner, self.draft
         R, n = batch.bucket.num_reqs, batch.num_reqs
         num_drafts = np.zeros(R, np.int32)
         num_drafts[:n] = np.clip(limits, 0, self.tree_steps)
+        if draft is None:
+            return self._ngram_tree_round(batch, num_drafts, proposal)
         slots, num_drafts = jax.device_put((self._slot_rows(batch), num_drafts))
         fb, _ = ForwardBatch.init_new(batch, draft.no_prev_tokens, draft.no_input_embeds)
         draft.forward(fb.replace(spec_info=TreeDraftInput(slots=slots)))
@@ -277,6 +297,22 @@ class SpeculativeWorker:
         else:
             info = TreeCatchupInput(tokens=out.tokens)
         draft.forward(fb.replace(spec_info=info))
+        accept_len, tokens, logprobs = jax.device_get((out.accept_len, out.tokens,
+                                                       out.logprobs))
+        return SpecRoundResult(accept_len[:n], tokens[:n], logprobs[:n])
+
+    def _ngram_tree_round(self, batch: ModelWorkerBatch, num_drafts: np.ndarray,
+                          proposal: tuple[np.ndarray, np.ndarray]) -> SpecRoundResult:
+        """The target's tree verify of the host's tries (rows by request: `slots` 0 .. R-1)."""
+        runner = self.target.model_runner
+        R, n, W = batch.bucket.num_reqs, batch.num_reqs, self.speculative_window
+        drafts = np.zeros((R, W - 1), np.int32)
+        parents = np.full((R, W), -1, np.int32)
+        drafts[:n], parents[:n] = proposal
+        fb, sampling = ForwardBatch.init_new(batch, runner.no_prev_tokens, runner.no_input_embeds)
+        out = runner.forward(fb.replace(spec_info=VerifyInput(
+            drafts=drafts, slots=np.arange(R, dtype=np.int32), num_drafts=num_drafts,
+            sampling=sampling, parents=parents)))
         accept_len, tokens, logprobs = jax.device_get((out.accept_len, out.tokens,
                                                        out.logprobs))
         return SpecRoundResult(accept_len[:n], tokens[:n], logprobs[:n])

@@ -1,9 +1,10 @@
 """Tree drafting with EAGLE and EAGLE-3 heads (speculative_eagle_topk > 1,
-jaxrunner/speculative/eagle_tree.py): the greedy tokens of ragged, chunked requests sharing
-prefixes are the target's, with 0 compiles after warm-up and every page free; every node's draft
-score (its path's cumulative log-probability) is the one an independent PyTorch head gives when
-it drafts the node's path as a chain, each step reading the previous step's output; sampled
-requests run reproducibly by seed."""
+jaxrunner/speculative/eagle_tree.py) and NGRAM tries: the greedy tokens of ragged, chunked
+requests sharing prefixes are the target's, with 0 compiles after warm-up and every page free;
+every EAGLE node's draft score (its path's cumulative log-probability) is the one an independent
+PyTorch head gives when it drafts the node's path as a chain, each step reading the previous
+step's output; sampled requests run reproducibly by seed; NGRAM's tries merge the
+continuations of recent matches."""
 
 import dataclasses
 
@@ -14,6 +15,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
+from jaxrunner.speculative.ngram import NgramProposer
 from tests.test_engine import CompileCounter, assert_no_kv_cache_copy
 from tests.test_speculative import eagle_head, run, torch_head, workload  # noqa: F401
 
@@ -115,6 +117,16 @@ def _reference_scores(head_dir, algorithm, target_path, known, tokens, parents):
     return np.asarray(scores), in_topk
 
 
+def _sampled_runs_are_reproducible(engine, prompt):
+    """Sampled requests run through the serving executables, reproducibly by seed."""
+    sampled = [{"max_new_tokens": 9, "temperature": 0.9, "seed": seed, "ignore_eos": True}
+               for seed in (5, 5, 6)]
+    with CompileCounter() as counter:
+        outs = engine.generate(input_ids=[prompt] * 3, sampling_params=sampled)
+    assert counter.count == 0
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] != outs[2]["output_ids"]
+
+
 @pytest.fixture(scope="module")
 def greedy_baseline(checkpoint, engine_kwargs):
     prompts, params = workload(1024)
@@ -138,11 +150,8 @@ def test_an_eagle_tree_keeps_the_greedy_tokens_and_drafts_as_the_chain_would(
             greedy = engine.generate(input_ids=prompt, sampling_params={
                 "max_new_tokens": 1 + STEPS, "temperature": 0.0})["output_ids"]
             seen["rounds"] = _two_rounds(engine, prompt, greedy[1:])
-            sampled = [{"max_new_tokens": 9, "temperature": 0.9, "seed": seed,
-                        "ignore_eos": True} for seed in (5, 5, 6)]
-            outs = engine.generate(input_ids=[prompts[0]] * 3, sampling_params=sampled)
         assert counter.count == 0
-        assert outs[0]["output_ids"] == outs[1]["output_ids"] != outs[2]["output_ids"]
+        _sampled_runs_are_reproducible(engine, prompts[0])
 
     outs = run(path, engine_kwargs, prompts, params, check=more_checks,
                speculative_algorithm=algorithm, speculative_draft_model_path=str(head_dir),
@@ -158,3 +167,33 @@ def test_an_eagle_tree_keeps_the_greedy_tokens_and_drafts_as_the_chain_would(
         want, in_topk = _reference_scores(head_dir, algorithm, path, known, tokens, parents)
         np.testing.assert_allclose(scores, want, atol=1e-4 * max(1.0, np.abs(want).max()))
         assert all(in_topk)
+
+
+# ---- NGRAM tries ---------------------------------------------------------------------------
+
+
+def test_ngram_tries_merge_the_continuations_of_recent_matches():
+    proposer = NgramProposer(max_match=3, min_match=1, num_drafts=6, max_requests=4, keep=2)
+    # [1, 2, 3] recurs ending at 2 and 6: the most recent continues 7 5 1, the older 9 1 2.
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert proposer.propose_tree(0, tokens, topk=2, depth=3, max_nodes=6) == (
+        [7, 5, 1, 9, 1, 2], [0, 1, 2, 0, 4, 5])
+    assert proposer.propose_tree(0, tokens, topk=2, depth=3, max_nodes=4) == (
+        [7, 5, 1, 9], [0, 1, 2, 0])
+    assert proposer.propose(0, tokens) == [7, 5, 1, 2, 3]  # the chain: the most recent
+    # A continuation already in the trie adds nothing and does not count.
+    assert proposer.propose_tree(1, [1, 2, 9, 1, 2, 9, 1, 2], topk=2, depth=2, max_nodes=6) == (
+        [9, 1], [0, 1])
+
+
+def test_ngram_trees_keep_the_greedy_tokens_and_accept_drafts(checkpoint, engine_kwargs,
+                                                              greedy_baseline):
+    prompts, params, want = greedy_baseline
+    outs = run(checkpoint("tiny-llama"), engine_kwargs, prompts, params,
+               check=lambda engine: _sampled_runs_are_reproducible(engine, prompts[1]),
+               speculative_algorithm="NGRAM", speculative_eagle_topk=TOPK,
+               speculative_num_steps=STEPS, speculative_num_draft_tokens=NODES)
+    assert [o["output_ids"] for o in outs] == want
+    verify = [o["meta_info"]["spec_verify_ct"] for o in outs]
+    # The workload's repeating prompts give the tries something the target accepts.
+    assert sum(p["max_new_tokens"] - 1 for p in params) > sum(verify)
