@@ -12,14 +12,14 @@ greedy, `--output-len` tokens each, timed after a warm-up. Workloads:
   models/random_checkpoint.py), what n-gram lookup is for (code edits, quoting, retrieval);
 - `random`: random prompts.
 Drafts: NGRAM needs none; STANDALONE uses `--draft-model-path` (default: the built-in
-`small-draft`, a 2-layer model of the same vocabulary), and `STANDALONE-tree` the same draft
-drafting trees (`--tree-topk` branches per step, `--tree-draft-tokens` nodes); EAGLE and EAGLE3 random heads in their
-checkpoint formats (models/random_checkpoint.py). Random drafts are rarely right, so
-`--simulate-accept p` also runs each model-drafted algorithm with the acceptance forced (each
-draft kept with probability p, SGLang's simulated acceptance): the cost model of an algorithm
-independent of how good its draft is (chains: the forced rule replaces the chain's acceptance,
-so trees are not simulated). Accept length is SGLang's: completion tokens / verify
-rounds.
+`small-draft`, a 2-layer model of the same vocabulary); EAGLE and EAGLE3 random heads in their
+checkpoint formats (models/random_checkpoint.py). `X-tree` is algorithm X drafting trees
+(`--tree-topk` branches per step, NGRAM's continuations, `--tree-draft-tokens` nodes). Random
+drafts are rarely right, so `--simulate-accept p` also runs each model-drafted algorithm with
+the acceptance forced (each draft kept with probability p, SGLang's simulated acceptance): the
+cost model of an algorithm independent of how good its draft is (chains: the forced rule
+replaces the chain's acceptance, so trees are not simulated). Accept length is SGLang's:
+completion tokens / verify rounds.
 """
 
 import argparse
@@ -34,7 +34,9 @@ from jaxrunner import Engine
 from models.random_checkpoint import cached_checkpoint, make_eagle_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-ALGORITHMS = ("none", "NGRAM", "STANDALONE", "STANDALONE-tree", "EAGLE", "EAGLE3")
+ALGORITHMS = ("none", "NGRAM", "NGRAM-tree", "STANDALONE", "STANDALONE-tree", "EAGLE",
+              "EAGLE-tree", "EAGLE3", "EAGLE3-tree")
+TREE = "-tree"
 FIRST_ORDINARY_ID = 8
 
 
@@ -50,9 +52,9 @@ def parse_args(argv=None):
                    choices=("repeat", "random"))
     p.add_argument("--num-steps", type=int, default=4, help="speculative_num_steps")
     p.add_argument("--tree-topk", type=int, default=2,
-                   help="STANDALONE-tree: speculative_eagle_topk")
+                   help="the -tree algorithms: speculative_eagle_topk")
     p.add_argument("--tree-draft-tokens", type=int, default=8,
-                   help="STANDALONE-tree: speculative_num_draft_tokens")
+                   help="the -tree algorithms: speculative_num_draft_tokens")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--simulate-accept", type=float, nargs="*", default=[],
@@ -131,10 +133,10 @@ def engine_for(args, model_path, algorithm, draft_paths, cache=True):
                   disallow_compile_after_warmup=True, show_progress=False,
                   max_running_requests=max(args.batch_sizes),
                   max_prefill_tokens=max(256, args.prompt_len))
-    if algorithm == "STANDALONE-tree":
+    if algorithm.endswith(TREE):
         kwargs.update(speculative_eagle_topk=args.tree_topk,
                       speculative_num_draft_tokens=args.tree_draft_tokens)
-        algorithm = "STANDALONE"
+        algorithm = algorithm.removesuffix(TREE)
     if algorithm != "none":
         kwargs.update(speculative_algorithm=algorithm, speculative_num_steps=args.num_steps)
         if algorithm in draft_paths:
@@ -149,7 +151,7 @@ def main(argv=None) -> dict:
     draft_paths = {"STANDALONE": args.draft_model_path or str(
         cached_checkpoint("small-draft", ROOT / "checkpoints"))}
     for algorithm in ("EAGLE", "EAGLE3"):
-        if algorithm in args.algorithms:
+        if algorithm in {a.removesuffix(TREE) for a in args.algorithms}:
             if preset is None:
                 raise SystemExit(f"{algorithm} heads are made for the built-in model; give "
                                  f"--model-path only with NGRAM / STANDALONE")
@@ -161,7 +163,7 @@ def main(argv=None) -> dict:
     runs, prompts = [], {}
     variants = [(a, None) for a in args.algorithms]
     variants += [(a, rate) for rate in args.simulate_accept
-                 for a in args.algorithms if a not in ("none", "NGRAM", "STANDALONE-tree")]
+                 for a in args.algorithms if a not in ("none", "NGRAM") and not a.endswith(TREE)]
     from jaxrunner.speculative import steps
     real_accept = steps.accept_drafts
     for algorithm, rate in variants:
