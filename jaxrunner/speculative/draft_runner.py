@@ -6,7 +6,8 @@ allocator books both (the target's KV budget counts the draft's bytes per token)
 pages hold its target and draft KV alike and are freed together. Besides the cache it keeps the
 per-slot draft buffers (`speculative.steps.DraftState`) that its steps update in place. It
 compiles, by bucket: EXTEND (the draft's prefill after the target's), DECODE (one draft step of a
-round) and, for EAGLE heads, DRAFT_EXTEND (the draft over a verify step's accepted tokens).
+chain's round) and, for EAGLE heads, DRAFT_EXTEND (the draft over a verify step's accepted
+tokens); a tree drafter its tree step (TARGET_VERIFY-shaped) instead of DECODE, and DRAFT_EXTEND.
 """
 
 import dataclasses
@@ -160,8 +161,9 @@ class DraftRunner(ModelRunner):
 
     def plan_buckets(self) -> list[Bucket]:
         args = self.args
-        buckets = (extend_buckets(args.max_prefill_tokens, args.max_running_requests)
-                   + decode_buckets(args.max_running_requests))
+        buckets = extend_buckets(args.max_prefill_tokens, args.max_running_requests)
+        if not self.tree:  # a chain's draft steps; a tree drafts in one window-shaped step
+            buckets += decode_buckets(args.max_running_requests)
         if self.head_config is not None or self.tree:
             buckets += verify_buckets(args.max_running_requests, self.window,
                                       ForwardMode.DRAFT_EXTEND)
