@@ -19,8 +19,9 @@ class VerifyInput:
     slots: jax.Array           # i32[R]: request slot rows of `drafts` (model drafts), else 0
     num_drafts: jax.Array      # i32[R]: drafts that are real (n-gram lookup may find fewer)
     sampling: SamplingBatch    # [R] rows; greedy rows accept by exact match
-    # A draft tree's parent slots, the draft's buffer i32[S, W] read at `slots` (-1: the root);
-    # None for a chain (jaxrunner/speculative/tree.py).
+    # A draft tree's parent slots, the draft's buffer i32[S, W] read at `slots` (NGRAM's tries:
+    # i32[R, W] from the host, `slots` 0 .. R-1; -1: the root); None for a chain
+    # (jaxrunner/speculative/tree.py).
     parents: jax.Array | None = None
 
 
@@ -62,8 +63,9 @@ class DraftPrefillInput:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class TreeDraftInput:
-    """A standalone draft's tree step (over the verify step's window, W slots per request): it
-    writes each request's tree to its row of the draft buffers."""
+    """A draft model's tree step (a standalone draft's or an EAGLE head's, over the verify
+    step's window, W slots per request): it writes each request's tree to its row of the draft
+    buffers."""
 
     slots: jax.Array           # i32[R]
 

@@ -15,6 +15,10 @@ positions 0 .. m-2, the draft's the same):
    target's hidden states there (its output is the next round's first draft); a standalone
    draft's one more step over d_D (the only accepted token whose KV it has not written).
 
+A tree round (speculative_eagle_topk > 1, `_tree_round`) drafts a tree of W nodes in the window
+instead (speculative.tree, speculative.eagle_tree; NGRAM's tries on the host), verifies it with
+a tree mask and moves the accepted path's KV next to the prefix; the catch-up is the same.
+
 Both KV caches then hold positions 0 .. m'-2 for the m' = m + accepted + 1 known tokens, the
 invariant the next round starts from. Pages past that go back to the allocator (the scheduler
 trims them). Overlap scheduling is off under speculation: the next round's KV allocation and
