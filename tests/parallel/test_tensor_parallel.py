@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.parallel import check_tp_size, effective_kv_heads, make_mesh
 from models.config import ModelConfig
+from models.random_checkpoint import make_eagle_checkpoint
 from models.sharding import partition_spec, repeat_kv_heads, sharded_model_config
 from tests.parallel.conftest import run_driver
 
@@ -59,6 +60,20 @@ def test_qwen_bias_and_tied_embeddings_under_tp(checkpoint, parallel_spec):
 
 
 # ---- in-process unit tests (one device is enough) ----
+
+def test_eagle_tree_under_tp_keeps_one_devices_greedy_tokens(llama_runs, checkpoint,
+                                                             checkpoint_root, parallel_spec):
+    """Speculative decoding under tensor parallelism: an EAGLE head drafting trees (topk 2,
+    3 steps, 7 nodes) at TP 2 gives one device's greedy tokens without speculation, and no
+    compile after warm-up."""
+    head = make_eagle_checkpoint(checkpoint_root / "tiny-llama-eagle-tp", "EAGLE", "tiny-llama")
+    run = {"tp_size": 2, "speculative_algorithm": "EAGLE",
+           "speculative_draft_model_path": str(head), "speculative_num_steps": 3,
+           "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 7}
+    (result,) = run_driver(parallel_spec(checkpoint("tiny-llama"), [run]))["results"]
+    assert result["output_ids"] == llama_runs[1]["output_ids"]
+    assert result["compiles_after_warmup"] == 0
+
 
 def test_tp_size_must_divide_heads():
     with pytest.raises(ValueError, match="must divide num_attention_heads"):
