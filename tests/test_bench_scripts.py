@@ -214,7 +214,8 @@ def test_repeating_prompt_is_the_cycle_the_output_ends_in():
 def test_bench_speculative_ngram_on_the_tiny_model(checkpoint, compilation_cache_dir, tmp_path):
     result = bench_speculative.main([
         "--model-path", str(checkpoint("tiny-llama")), "--algorithms", "none", "NGRAM",
-        "NGRAM-tree", "--batch-sizes", "2", "--workloads", "repeat", "--output-len", "12", "--prompt-len", "16",
+        "NGRAM-tree", "--batch-sizes", "2", "--workloads", "repeat", "--output-len", "12",
+        "--prompt-len", "16",
         "--compilation-cache-dir", compilation_cache_dir,
         "--json-out", str(tmp_path / "spec.json")])
     runs = {r["algorithm"]: r for r in result["runs"]}
@@ -226,6 +227,8 @@ def test_bench_speculative_ngram_on_the_tiny_model(checkpoint, compilation_cache
     assert tree["output_tokens"] == 24 and tree["same_tokens_as_plain"]
     assert 1.0 <= tree["accept_length"] <= 4 + 1
     assert json.loads((tmp_path / "spec.json").read_text())["runs"][1]["algorithm"] == "NGRAM"
+
+
 def test_bench_moe_layer_and_balance():
     """The layer rows (tiny shapes, one token count) and the balancedness study: a rebalance
     with redundant slots evens a Zipf-skewed load, measured on a fresh sample."""
