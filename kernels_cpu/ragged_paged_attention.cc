@@ -494,6 +494,7 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc, int64_t prefetch_b
       locate(c0 + kTile, rows_buf[(tile + 1) & 1][0], rows_buf[(tile + 1) & 1][1]);
     int64_t r = 0;
     if (direct) {
+      // A next tile exists only after a full one, so this tile's groups cover all its keys.
       const int n_next = int(std::clamp<int64_t>(kv_end - c0 - kTile, 0, kTile));
       const T* const* next_rows = rows_buf[(tile + 1) & 1][0];
       for (int g = 0; g < n; g += kLanes) {
@@ -501,8 +502,6 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc, int64_t prefetch_b
         direct_all(rows, q, D, k_rows + g, v_rows + g, std::min(kLanes, n - g), s + g, o,
                    /*scores=*/true);
       }
-      for (int c = (n + kLanes - 1) / kLanes * kLanes; c < n_next; ++c)
-        prefetch_row(next_rows[c]);
     } else {
       // Gather the tile: K transposed to [D, kTile], V as [kTile, Dp]; unused keys are zero.
       for (int c = 0; c < n; ++c) {
