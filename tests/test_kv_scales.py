@@ -16,7 +16,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from jaxrunner import Engine
 from tests.test_hf_parity import _prefill_logits
-from tests.test_quantization import SMALL, _prompts
+from tests.test_quantization import (SMALL, _prompts, assert_serves_without_compiles, hf_logits,
+                                     relative_error)
 
 # Scales far from 1 on both sides: K / 48 lands mostly in e4m3's subnormals (coarse steps), so
 # a scale applied wrongly or not at all shows in the logits. Layer 0 publishes them as
@@ -97,24 +98,17 @@ def test_prefill_logits_apply_the_scales(scaled):
     with_scales = _hf_fp8_kv(path, SCALES)
     without = _hf_fp8_kv(path, {0: (1.0, 1.0), 1: (1.0, 1.0)})
     for prompt, got in zip(prompts, ours):
-        with torch.no_grad():
-            want = with_scales(torch.tensor([prompt])).logits[0].numpy()
-            unscaled = without(torch.tensor([prompt])).logits[0].numpy()
-        rel = np.abs(got - want).max() / np.abs(want).max()
+        rel = relative_error(got, hf_logits(with_scales, prompt))
         # The same fp8 values, up to float32 rounding (measured: 1.3e-6).
         assert rel < 1e-4, f"relative error {rel:.2e} against the scaled fp8 reference"
         # ... and the scales matter: the reference without them is far away (measured: 0.05).
-        far = np.abs(got - unscaled).max() / np.abs(unscaled).max()
+        far = relative_error(got, hf_logits(without, prompt))
         assert far > 1e-2, f"the scales made no difference ({far:.2e})"
 
 
 def test_no_compile_after_warmup(scaled):
     _, engine = scaled
-    compiles = engine.compile_monitor.count
-    out = engine.generate(input_ids=[[5, 6, 7], [9] * 40],
-                          sampling_params={"max_new_tokens": 4, "temperature": 0.0})
-    assert all(len(o["output_ids"]) == 4 for o in out)
-    assert engine.compile_monitor.count == compiles
+    assert_serves_without_compiles(engine)
 
 
 @pytest.mark.parametrize("extra, message", [

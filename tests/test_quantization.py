@@ -31,6 +31,26 @@ def _prompts(vocab_size):
     return [rng.integers(3, vocab_size, size=n).tolist() for n in PROMPT_LENS]
 
 
+def hf_logits(hf, prompt) -> np.ndarray:
+    """An HF model's float logits [T, V] over one prompt."""
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0].numpy()
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def assert_serves_without_compiles(engine, max_new_tokens: int = 4) -> None:
+    """A warm engine's greedy requests (ragged, one past a page) get every token, compiling
+    nothing."""
+    compiles = engine.compile_monitor.count
+    out = engine.generate(input_ids=[[5, 6, 7], [9] * 40],
+                          sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0})
+    assert all(len(o["output_ids"]) == max_new_tokens for o in out)
+    assert engine.compile_monitor.count == compiles
+
+
 def torch_quantize(weight: np.ndarray, method: str) -> tuple[np.ndarray, np.ndarray]:
     """The reference quantizer, written against torch: an HF weight [out, in] -> (quantized
     [out, in], float32 scale [out]), symmetric per output channel."""
@@ -94,10 +114,8 @@ def test_prefill_logits_match_hf_on_dequantised_weights(quantized, tmp_path):
     ours, _ = _prefill_logits(engine, prompts)
     agree = []
     for prompt, got in zip(prompts, ours):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-            base = unquantized(torch.tensor([prompt])).logits[0].numpy()
-        rel = np.abs(got - want).max() / np.abs(want).max()
+        base = hf_logits(unquantized, prompt)
+        rel = relative_error(got, hf_logits(hf, prompt))
         assert rel < 1e-4, f"{method}: relative error {rel:.2e} against the dequantised model"
         agree.append(np.mean(got.argmax(-1) == base.argmax(-1)))
     # Quantization changes the numbers, not the model: greedy tokens mostly stay (chance is
@@ -109,11 +127,7 @@ def test_prefill_logits_match_hf_on_dequantised_weights(quantized, tmp_path):
 
 def test_weight_bytes_and_no_compile_after_warmup(quantized):
     method, path, engine = quantized
-    compiles = engine.compile_monitor.count
-    out = engine.generate(input_ids=[[5, 6, 7], [9] * 40],
-                          sampling_params={"max_new_tokens": 6, "temperature": 0.0})
-    assert all(len(o["output_ids"]) == 6 for o in out)
-    assert engine.compile_monitor.count == compiles
+    assert_serves_without_compiles(engine, max_new_tokens=6)
     params = _layer_params(engine)
     weights = sum(k.size for k, _ in params.values())
     scales = sum(s.size for _, s in params.values())

@@ -22,7 +22,8 @@ from models.quantization import QuantConfig, dequantize, from_hf_config, quantiz
 from models.sharding import sharded_model_config
 from models.weights import CheckpointReader
 from tests.test_hf_parity import _prefill_logits
-from tests.test_quantization import BLOCK, PROJECTIONS, SMALL, _prompts
+from tests.test_quantization import (BLOCK, PROJECTIONS, SMALL, _prompts, hf_logits,
+                                     relative_error)
 
 
 def test_matmul_block_scales_against_numpy():
@@ -101,9 +102,7 @@ def test_prequantized_fp8_block_checkpoint(fp8_checkpoints, engine_kwargs):
         engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(dequant, dtype=torch.float32).eval()
     for prompt, got in zip(prompts, ours):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-        rel = np.abs(got - want).max() / np.abs(want).max()
+        rel = relative_error(got, hf_logits(hf, prompt))
         assert rel < 1e-4, f"relative error {rel:.2e} against the dequantised checkpoint"
 
 

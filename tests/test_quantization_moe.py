@@ -22,7 +22,8 @@ from models.quantization import QuantConfig, dequantize, quantize_weight
 from models.weights import CheckpointReader
 from tests.test_hf_parity import _prefill_logits
 from tests.test_moe import D, N, _random_routing, _weights
-from tests.test_quantization import PROJECTIONS, SMALL, _prompts, torch_quantize
+from tests.test_quantization import (PROJECTIONS, SMALL, _prompts, assert_serves_without_compiles,
+                                     hf_logits, relative_error, torch_quantize)
 
 EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
 
@@ -120,19 +121,13 @@ def test_prefill_logits_match_hf_on_dequantised_weights(quantized_moe):
     prompts = _prompts(cfg.vocab_size)
     ours, _ = _prefill_logits(engine, prompts)
     for prompt, got in zip(prompts, ours):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-        rel = np.abs(got - want).max() / np.abs(want).max()
+        rel = relative_error(got, hf_logits(hf, prompt))
         assert rel < 1e-4, f"{method}: relative error {rel:.2e} against the dequantised model"
 
 
 def test_no_compile_after_warmup(quantized_moe):
     _, _, engine = quantized_moe
-    compiles = engine.compile_monitor.count
-    out = engine.generate(input_ids=[[5, 6, 7], [9] * 40],
-                          sampling_params={"max_new_tokens": 4, "temperature": 0.0})
-    assert all(len(o["output_ids"]) == 4 for o in out)
-    assert engine.compile_monitor.count == compiles
+    assert_serves_without_compiles(engine)
 
 
 def test_moe_refusals_named():
