@@ -35,7 +35,7 @@ SUPPORTED_ARCHITECTURES = (
 # Block-diffusion LMs: served only with `dllm_algorithm`, and need `mask_token_id`.
 DLLM_ARCHITECTURES = ("SDARForCausalLM",)
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Hugging Face's own defaults for keys that configs may leave out.
 _DEFAULT_ROPE_THETA = 10000.0
@@ -63,11 +63,19 @@ class RopeConfig:
     """Rotary embedding parameters: `theta` plus the optional frequency scaling."""
 
     theta: float
-    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    rope_type: str = "default"  # "default" | "linear" | "llama3" | "yarn"
     factor: float = 1.0
     low_freq_factor: float | None = None  # llama3 only
     high_freq_factor: float | None = None  # llama3 only
-    original_max_position_embeddings: int | None = None  # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3 and yarn
+    # YaRN only (transformers' names and defaults): the ramp's bounds in rotations, and the
+    # cos/sin scaling, given (`attention_factor`) or derived from `factor` and the mscales.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> RopeConfig:
@@ -89,6 +97,12 @@ class RopeConfig:
             raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
         if rope_type == "default":
             return cls(theta=float(theta))
+        # Phi-3 style configs keep the pretraining length beside the rope parameters, and
+        # transformers prefers that one; else the rope parameters', else max_position_embeddings.
+        original_max = d.get("original_max_position_embeddings") or scaling.get(
+            "original_max_position_embeddings", d.get("max_position_embeddings"))
+        if rope_type == "yarn":
+            return cls._yarn(float(theta), scaling, original_max, d.get("max_position_embeddings"))
         if "factor" not in scaling:
             raise ValueError(f"rope type {rope_type!r} needs 'factor' in its rope parameters")
         if rope_type == "linear":
@@ -96,9 +110,6 @@ class RopeConfig:
         for key in ("low_freq_factor", "high_freq_factor"):
             if key not in scaling:
                 raise ValueError(f"rope type 'llama3' needs {key!r} in its rope parameters")
-        original_max = scaling.get(
-            "original_max_position_embeddings", d.get("max_position_embeddings")
-        )
         if original_max is None:
             raise ValueError("rope type 'llama3' needs 'original_max_position_embeddings'")
         return cls(
@@ -109,6 +120,26 @@ class RopeConfig:
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(original_max),
         )
+
+    @classmethod
+    def _yarn(cls, theta: float, scaling: dict, original_max, max_positions) -> RopeConfig:
+        if original_max is None:
+            raise ValueError("rope type 'yarn' needs 'original_max_position_embeddings'")
+        factor = scaling.get("factor")
+        if factor is None:  # DeepSeek-V3 style: the ratio of the two context lengths
+            if max_positions is None:
+                raise ValueError("rope type 'yarn' needs 'factor' or max_position_embeddings")
+            factor = max_positions / original_max
+        if not isinstance(factor, (int, float)) or factor < 1.0:
+            raise ValueError(f"rope type 'yarn' needs factor >= 1, got {factor!r}")
+        optional = {key: (None if scaling.get(key) is None else float(scaling[key]))
+                    for key in ("mscale", "mscale_all_dim", "attention_factor")}
+        return cls(theta=theta, rope_type="yarn", factor=float(factor),
+                   original_max_position_embeddings=int(original_max),
+                   # transformers reads `or`: a null or 0 takes the default too
+                   beta_fast=float(scaling.get("beta_fast") or 32.0),
+                   beta_slow=float(scaling.get("beta_slow") or 1.0),
+                   truncate=bool(scaling.get("truncate", True)), **optional)
 
 
 @dataclasses.dataclass(frozen=True)

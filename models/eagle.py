@@ -33,7 +33,7 @@ from jaxrunner.attention import AttentionBackend
 from jaxrunner.forward_batch import ForwardBatch
 from models.config import ModelConfig
 from models.llama import MLP, Attention, Linear, RMSNorm
-from models.rope import inv_frequencies, rope_cos_sin
+from models.rope import step_cos_sin
 from models.weights import checkpoint_tensor_names
 
 ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -140,7 +140,7 @@ class _HeadBase(nnx.Module):
         the residual stream after the layer and the updated cache."""
         cfg = self.config.layer
         meta = backend.init_forward_metadata(fb)
-        cos, sin = rope_cos_sin(fb.positions, inv_frequencies(cfg.rope, cfg.head_dim))
+        cos, sin = step_cos_sin(cfg.rope, cfg.head_dim, fb.positions)
         flat = kv_cache.reshape(-1, *kv_cache.shape[2:])
         h, flat = layer.self_attn(x, cos, sin, flat, jnp.int32(0), fb, backend, meta)
         residual = residual + h

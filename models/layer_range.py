@@ -23,7 +23,7 @@ from flax import nnx
 from jaxrunner.attention import AttentionBackend
 from jaxrunner.forward_batch import ForwardBatch
 from models.moe_parallel import MoeRunner
-from models.rope import inv_frequencies, rope_cos_sin
+from models.rope import step_cos_sin
 
 
 def forward_layer_range(model, fb: ForwardBatch, kv_cache: jax.Array, backend: AttentionBackend,
@@ -41,7 +41,7 @@ def forward_layer_range(model, fb: ForwardBatch, kv_cache: jax.Array, backend: A
     cfg = model.config
     T = fb.num_tokens
     meta = backend.init_forward_metadata(fb)
-    cos, sin = rope_cos_sin(fb.positions, inv_frequencies(cfg.rope, cfg.head_dim))
+    cos, sin = step_cos_sin(cfg.rope, cfg.head_dim, fb.positions)
     x = jnp.where(begin == 0, fb.embed_inputs(model.model.embed_tokens), hidden[:T])
     valid = jnp.arange(T) < jnp.sum(fb.extend_seq_lens)  # padding routes nowhere
     flat = kv_cache.reshape(-1, *kv_cache.shape[2:])

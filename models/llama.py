@@ -28,7 +28,7 @@ from models.config import LayerRun, ModelConfig
 from models.moe import SparseMoeBlock
 from models.moe_parallel import MoeRunner
 from models.quantization import QuantConfig, quantized_matmul
-from models.rope import apply_rope_cos_sin, inv_frequencies, rope_cos_sin
+from models.rope import apply_rope_cos_sin, step_cos_sin
 
 
 class Linear(nnx.Module):
@@ -192,9 +192,7 @@ class LlamaForCausalLM(nnx.Module):
         experts run (grouped matmul, expert parallelism).
         """
         meta = backend.init_forward_metadata(fb)
-        # inv_freq is a trace-time constant: the checkpoint does not carry it.
-        inv_freq = inv_frequencies(self.config.rope, self.config.head_dim)
-        cos, sin = rope_cos_sin(fb.positions, inv_freq)
+        cos, sin = step_cos_sin(self.config.rope, self.config.head_dim, fb.positions)
         x = fb.embed_inputs(self.model.embed_tokens)
         valid = jnp.arange(fb.num_tokens) < jnp.sum(fb.extend_seq_lens)  # padding routes nowhere
         flat = kv_cache.reshape(-1, *kv_cache.shape[2:])

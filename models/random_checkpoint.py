@@ -62,11 +62,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                   high_freq_factor=4.0, original_max_position_embeddings=256),
     ),
+    # YaRN, as Qwen's long-context configs enable it (the positions tests reach are below the
+    # original length, where YaRN's interpolated frequencies and cos/sin scaling still apply).
     "tiny-qwen2": dict(
         _COMMON,
         architecture="Qwen2ForCausalLM",
         rope_form="v5",
-        rope=dict(rope_type="default", rope_theta=1e6),
+        rope=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                  original_max_position_embeddings=512),
     ),
     # head_dim * heads (512) != hidden (256) on purpose: the model must not assume they are equal.
     "tiny-qwen3": dict(

@@ -122,12 +122,27 @@ def test_rope_transformers5_form():
     assert default == RopeConfig(1e6)
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_unsupported_rope_type(rope_type):
     with pytest.raises(ValueError, match=rope_type):
         _cfg(rope_scaling={"rope_type": rope_type, "factor": 2.0})
     with pytest.raises(ValueError, match=rope_type):
         _cfg(rope_parameters={"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0})
+
+
+def test_yarn_rope_parameters():
+    rope = _cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 32768}).rope
+    assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == ("yarn", 4.0,
+                                                                                     32768)
+    assert (rope.beta_fast, rope.beta_slow, rope.truncate) == (32.0, 1.0, True)
+    # No factor: the ratio of max_position_embeddings to the original length (DeepSeek-V3).
+    rope = _cfg(max_position_embeddings=8192, rope_scaling={
+        "rope_type": "yarn", "original_max_position_embeddings": 2048}).rope
+    assert rope.factor == 4.0
+    with pytest.raises(ValueError, match="factor >= 1"):
+        _cfg(rope_scaling={"rope_type": "yarn", "factor": 0.5,
+                           "original_max_position_embeddings": 512})
 
 
 def test_unknown_architecture_lists_supported():

@@ -9,7 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from models.config import ModelConfig
-from models.rope import apply_rope, apply_rope_cos_sin, inv_frequencies, rope_cos_sin
+from models.rope import (apply_rope, apply_rope_cos_sin, attention_scaling, inv_frequencies,
+                         rope_cos_sin)
 
 _BASE = dict(
     architectures=["LlamaForCausalLM"],
@@ -37,6 +38,16 @@ CASES = [
         "llama3-hd32-v5",
         dict(head_dim=32, rope_parameters=dict(rope_type="llama3", rope_theta=1e4, **_LLAMA3)),
     ),
+    # Qwen's long-context setting (transformers 4 form), and DeepSeek-style mscales with the
+    # factor left to the two context lengths (transformers 5 form).
+    ("yarn-v4", dict(rope_theta=1e6, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=512))),
+    ("yarn-mscale-v5", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e4, factor=None, original_max_position_embeddings=256,
+        mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2))),
+    ("yarn-untruncated-v5", dict(head_dim=32, rope_parameters=dict(
+        rope_type="yarn", rope_theta=5e5, factor=8.0, original_max_position_embeddings=128,
+        attention_factor=0.9, truncate=False))),
 ]
 
 
@@ -50,20 +61,21 @@ def _configs(overrides):
 def _hf_inv_freq(hf_config):
     rope_type = hf_config.rope_parameters["rope_type"]
     if rope_type == "default":  # transformers 5 keeps "default" on the rotary module
-        inv, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
+        inv, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
     else:
-        inv, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
-    return inv.numpy()
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    return inv.numpy(), scaling
 
 
 @pytest.mark.parametrize("name,overrides", CASES, ids=[c[0] for c in CASES])
 def test_inv_frequencies_match_transformers(name, overrides):
     ours, hf = _configs(overrides)
     got = inv_frequencies(ours.rope, ours.head_dim)
-    want = _hf_inv_freq(hf)
+    want, want_scaling = _hf_inv_freq(hf)
     assert got.dtype == np.float32 and got.shape == (ours.head_dim // 2,)
     # torch's float32 pow is not correctly rounded; ours is (see inv_frequencies): <= 1 ulp apart.
     np.testing.assert_array_max_ulp(got, want, maxulp=1)
+    assert attention_scaling(ours.rope) == pytest.approx(want_scaling, rel=1e-12)
 
 
 def _hf_rope(hf_config, x, positions, inv_freq=None):
@@ -91,7 +103,7 @@ def test_apply_rope_matches_hf_given_same_inv_freq(name, overrides, dtype):
     ours, hf = _configs(overrides)
     inv = inv_frequencies(ours.rope, ours.head_dim)
     x, positions = _inputs(ours.head_dim, dtype)
-    got = apply_rope(x, jnp.asarray(positions), jnp.asarray(inv))
+    got = apply_rope(x, jnp.asarray(positions), jnp.asarray(inv), attention_scaling(ours.rope))
     assert got.dtype == x.dtype and got.shape == x.shape
     want = _hf_rope(hf, x, positions, inv_freq=inv)
     if dtype == "float32":
@@ -107,11 +119,12 @@ def test_apply_rope_matches_hf_end_to_end(name, overrides):
     ours, hf = _configs(overrides)
     x, positions = _inputs(ours.head_dim, "float32")
     inv = jnp.asarray(inv_frequencies(ours.rope, ours.head_dim))
-    got = apply_rope(x, jnp.asarray(positions), inv)
+    scaling = attention_scaling(ours.rope)
+    got = apply_rope(x, jnp.asarray(positions), inv, scaling)
     # A 1-ulp inv_freq difference at position 4000 moves the angle by up to ~2.4e-4 rad.
     np.testing.assert_allclose(np.asarray(got), _hf_rope(hf, x, positions), rtol=0, atol=2e-3)
     short = positions % 64  # small positions: the same 1-ulp difference is invisible
-    got = apply_rope(x, jnp.asarray(short), inv)
+    got = apply_rope(x, jnp.asarray(short), inv, scaling)
     np.testing.assert_allclose(np.asarray(got), _hf_rope(hf, x, short), rtol=1e-5, atol=1e-5)
 
 
