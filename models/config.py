@@ -294,10 +294,10 @@ class ModelConfig:
             sliding_window = d.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW)
         elif arch == "MixtralForCausalLM":
             sliding_window = d.get("sliding_window")  # HF Mixtral: none unless given
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                      "SDARForCausalLM") and d.get(
-                "use_sliding_window"):
-            sliding_window = d.get("sliding_window")
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM"):
+            sliding_window = _qwen_sliding_window(d)
+        elif arch == "Qwen3MoeForCausalLM" and d.get("use_sliding_window"):
+            sliding_window = d.get("sliding_window")  # HF Qwen3-MoE: every layer
         else:
             sliding_window = None
 
@@ -329,6 +329,35 @@ class ModelConfig:
             dllm_block_size=None if d.get("block_size") is None else int(d["block_size"]),
             quantization=from_hf_config(d.get("quantization_config")),
         )
+
+
+# HF Qwen2/Qwen3Config: with use_sliding_window, only layers from max_window_layers on slide.
+_QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+def _qwen_sliding_window(d: dict[str, Any]) -> int | None:
+    """Qwen2/Qwen3's window as transformers applies it: per layer, from `layer_types` (written
+    by transformers 5) or else `use_sliding_window` and `max_window_layers`. The window is one
+    for the whole model here, so a model whose layers differ is refused by name."""
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    layers = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        start = d.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (only full_attention and "
+                         f"sliding_attention)")
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if window is None or not sliding:
+        return None
+    if len(sliding) == layers:
+        return window
+    raise ValueError(
+        f"a sliding window on some layers only (layers {sliding[0]}..{sliding[-1]} of {layers}, "
+        f"from layer_types or max_window_layers={d.get('max_window_layers')}) is not supported: "
+        f"the window is one for every layer")
 
 
 def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:

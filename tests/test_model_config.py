@@ -84,7 +84,8 @@ def test_sliding_window():
     assert _cfg(architectures=["MistralForCausalLM"], sliding_window=None).sliding_window is None
     assert _cfg(architectures=["MistralForCausalLM"]).sliding_window == 4096  # HF default
     assert _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=4096).sliding_window is None
-    qwen = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=1024, use_sliding_window=True)
+    qwen = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=1024, use_sliding_window=True,
+                max_window_layers=0)
     assert qwen.sliding_window == 1024
     assert _cfg(sliding_window=4096).sliding_window is None  # Llama has none
 
@@ -143,6 +144,22 @@ def test_yarn_rope_parameters():
     with pytest.raises(ValueError, match="factor >= 1"):
         _cfg(rope_scaling={"rope_type": "yarn", "factor": 0.5,
                            "original_max_position_embeddings": 512})
+
+
+def test_qwen_sliding_window_per_layer_as_transformers_applies_it():
+    qwen2 = dict(architectures=["Qwen2ForCausalLM"], num_hidden_layers=4, sliding_window=64,
+                 use_sliding_window=True)
+    # Layers from max_window_layers (default 28) on slide: none of 4.
+    assert _cfg(**qwen2).sliding_window is None
+    assert _cfg(**qwen2, max_window_layers=0).sliding_window == 64
+    assert _cfg(**dict(qwen2, use_sliding_window=False), max_window_layers=0).sliding_window is None
+    assert _cfg(**qwen2, layer_types=["sliding_attention"] * 4).sliding_window == 64
+    assert _cfg(**qwen2, layer_types=["full_attention"] * 4,
+                max_window_layers=0).sliding_window is None
+    with pytest.raises(ValueError, match="some layers only .*layers 2..3 of 4"):
+        _cfg(**qwen2, max_window_layers=2)
+    with pytest.raises(ValueError, match="chunked_attention"):
+        _cfg(**qwen2, layer_types=["chunked_attention"] * 4)
 
 
 def test_unknown_architecture_lists_supported():
