@@ -156,7 +156,8 @@ class ModelConfig:
     """What the model needs from a Hugging Face checkpoint's config.json.
 
     `attention_bias` means q/k/v projections carry a bias; whether o_proj does too is the
-    `o_proj_bias` property (Qwen2: no; Llama/Qwen3: same as attention_bias).
+    `o_proj_bias` property (Qwen2: no; Llama/Qwen3: same as attention_bias). `mlp_bias`: the
+    dense MLP's three projections carry one (Llama's option).
     """
 
     architecture: str
@@ -198,6 +199,7 @@ class ModelConfig:
     # and the block length the model was trained with (None where the config names none).
     mask_token_id: int | None = None
     dllm_block_size: int | None = None
+    mlp_bias: bool = False
 
     @property
     def is_dllm(self) -> bool:
@@ -319,6 +321,8 @@ class ModelConfig:
             max_position_embeddings=int(d["max_position_embeddings"]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings")),
             attention_bias=attention_bias,
+            # Only HF Llama's MLP reads mlp_bias; the others' have no biases.
+            mlp_bias=arch == "LlamaForCausalLM" and bool(d.get("mlp_bias")),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM"),
             sliding_window=None if sliding_window is None else int(sliding_window),
             rope=RopeConfig.from_hf_config(d),

@@ -113,10 +113,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        D, F, quant = cfg.hidden_size, cfg.intermediate_size, cfg.quantization
-        self.gate_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs, quant=quant)
-        self.up_proj = Linear(D, F, bias=False, dtype=dtype, rngs=rngs, quant=quant)
-        self.down_proj = Linear(F, D, bias=False, dtype=dtype, rngs=rngs, quant=quant)
+        D, F, quant, bias = cfg.hidden_size, cfg.intermediate_size, cfg.quantization, cfg.mlp_bias
+        self.gate_proj = Linear(D, F, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
+        self.up_proj = Linear(D, F, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
+        self.down_proj = Linear(F, D, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
 
     def __call__(self, x, lora: LoraLayer = NO_LORA):
         h = (jax.nn.silu(lora.apply("gate_proj", x, self.gate_proj(x)))

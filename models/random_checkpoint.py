@@ -97,6 +97,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Llama's optional biases: q/k/v and o_proj (`attention_bias`), the MLP's three (`mlp_bias`).
+PRESETS["tiny-llama-biases"] = dict(PRESETS["tiny-llama"], attention_bias=True, mlp_bias=True)
 # The benchmark model at Llama-3-8B's depth: start-up must not grow with the layer count.
 PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
 # The benchmark model's shapes with no residual writes (o_proj and down_proj zero, the compute
@@ -296,9 +298,9 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
     }
     qwen3_like = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM")
     if arch in ("LlamaForCausalLM", *qwen3_like):
-        config["attention_bias"] = False
+        config["attention_bias"] = spec.get("attention_bias", False)
     if arch == "LlamaForCausalLM":
-        config["mlp_bias"] = False
+        config["mlp_bias"] = spec.get("mlp_bias", False)
     if arch in ("Qwen2ForCausalLM", *qwen3_like):
         config.update(use_sliding_window=False, sliding_window=None,
                       max_window_layers=spec["num_hidden_layers"])
@@ -481,12 +483,17 @@ def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, 
                 f"{p}.mlp.up_proj.weight": (f, d),
                 f"{p}.mlp.down_proj.weight": (d, f),
             })
-        if arch == "Qwen2ForCausalLM":
+        if arch == "Qwen2ForCausalLM" or spec.get("attention_bias"):
             shapes.update({
                 f"{p}.self_attn.q_proj.bias": (nh * hd,),
                 f"{p}.self_attn.k_proj.bias": (nkv * hd,),
                 f"{p}.self_attn.v_proj.bias": (nkv * hd,),
             })
+        if arch != "Qwen2ForCausalLM" and spec.get("attention_bias"):
+            shapes[f"{p}.self_attn.o_proj.bias"] = (d,)
+        if spec.get("mlp_bias") and not _is_moe_layer(spec, i):
+            shapes.update({f"{p}.mlp.gate_proj.bias": (f,), f"{p}.mlp.up_proj.bias": (f,),
+                           f"{p}.mlp.down_proj.bias": (d,)})
         if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM"):
             shapes.update({
                 f"{p}.self_attn.q_norm.weight": (hd,),

@@ -38,6 +38,7 @@ PARTITION_RULES: list[tuple[str, P]] = [
     (r"self_attn\.(q|k|v)_proj\.bias$", P(T)),
     (r"self_attn\.o_proj\.kernel$", P(T, None)),
     (r"mlp\.(gate|up)_proj\.kernel$", P(None, T)),
+    (r"mlp\.(gate|up)_proj\.bias$", P(T)),
     (r"mlp\.down_proj\.kernel$", P(T, None)),
     (r"mlp\.experts\.(gate|up)_proj$", P(None, None, T)),
     (r"mlp\.experts\.down_proj$", P(None, T, None)),

@@ -118,6 +118,9 @@ def test_partition_rules():
     assert partition_spec(layer + ("self_attn", "o_proj", "bias")) == P()
     assert partition_spec(layer + ("mlp", "up_proj", "kernel")) == P(None, None, "tensor")
     assert partition_spec(layer + ("mlp", "down_proj", "kernel")) == P(None, "tensor", None)
+    # Llama's mlp_bias: column-parallel biases shard with their outputs, down_proj's is whole.
+    assert partition_spec(layer + ("mlp", "gate_proj", "bias")) == P(None, "tensor")
+    assert partition_spec(layer + ("mlp", "down_proj", "bias")) == P()
     assert partition_spec(layer + ("input_layernorm", "weight")) == P()
     assert partition_spec(("model", "embed_tokens", "embedding")) == P("tensor", None)
     assert partition_spec(("lm_head", "kernel")) == P(None, "tensor")
