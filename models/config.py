@@ -36,6 +36,10 @@ SUPPORTED_ARCHITECTURES = (
 DLLM_ARCHITECTURES = ("SDARForCausalLM",)
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# config.json `hidden_act` values the dense MLP computes (models/llama.py `activation`);
+# experts compute SiLU only.
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast",
+                         "relu")
 
 # Hugging Face's own defaults for keys that configs may leave out.
 _DEFAULT_ROPE_THETA = 10000.0
@@ -200,6 +204,7 @@ class ModelConfig:
     mask_token_id: int | None = None
     dllm_block_size: int | None = None
     mlp_bias: bool = False
+    hidden_act: str = "silu"
 
     @property
     def is_dllm(self) -> bool:
@@ -323,6 +328,7 @@ class ModelConfig:
             attention_bias=attention_bias,
             # Only HF Llama's MLP reads mlp_bias; the others' have no biases.
             mlp_bias=arch == "LlamaForCausalLM" and bool(d.get("mlp_bias")),
+            hidden_act=_hidden_act(arch, d),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM"),
             sliding_window=None if sliding_window is None else int(sliding_window),
             rope=RopeConfig.from_hf_config(d),
@@ -333,6 +339,17 @@ class ModelConfig:
             dllm_block_size=None if d.get("block_size") is None else int(d["block_size"]),
             quantization=from_hf_config(d.get("quantization_config")),
         )
+
+
+def _hidden_act(arch: str, d: dict[str, Any]) -> str:
+    act = d.get("hidden_act") or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+    if arch in MOE_ARCHITECTURES and act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported for {arch}: experts compute "
+                         f"silu only")
+    return act
 
 
 # HF Qwen2/Qwen3Config: with use_sliding_window, only layers from max_window_layers on slide.

@@ -17,6 +17,8 @@ depth. The KV cache of every layer is one array that the scans carry as loop sta
 (`LlamaForCausalLM.__call__`).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -111,15 +113,29 @@ class Attention(nnx.Module):
         return lora.apply("o_proj", out, self.o_proj(out)), kv_cache
 
 
+def activation(name: str):
+    """transformers' ACT2FN entry `name` (one of config.SUPPORTED_ACTIVATIONS)."""
+    if name in ("silu", "swish"):
+        return jax.nn.silu
+    if name == "gelu":  # exact, through erf
+        return functools.partial(jax.nn.gelu, approximate=False)
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):  # the tanh approximation
+        return functools.partial(jax.nn.gelu, approximate=True)
+    if name == "relu":
+        return jax.nn.relu
+    raise ValueError(f"hidden_act {name!r} is not supported")
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.hidden_act = cfg.hidden_act
         D, F, quant, bias = cfg.hidden_size, cfg.intermediate_size, cfg.quantization, cfg.mlp_bias
         self.gate_proj = Linear(D, F, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
         self.up_proj = Linear(D, F, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
         self.down_proj = Linear(F, D, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
 
     def __call__(self, x, lora: LoraLayer = NO_LORA):
-        h = (jax.nn.silu(lora.apply("gate_proj", x, self.gate_proj(x)))
+        h = (activation(self.hidden_act)(lora.apply("gate_proj", x, self.gate_proj(x)))
              * lora.apply("up_proj", x, self.up_proj(x)))
         return lora.apply("down_proj", h, self.down_proj(h))
 

@@ -97,8 +97,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Llama's optional biases: q/k/v and o_proj (`attention_bias`), the MLP's three (`mlp_bias`).
-PRESETS["tiny-llama-biases"] = dict(PRESETS["tiny-llama"], attention_bias=True, mlp_bias=True)
+# Llama's options: biases on q/k/v and o_proj (`attention_bias`) and on the MLP's three
+# (`mlp_bias`), and an activation other than SiLU.
+PRESETS["tiny-llama-options"] = dict(PRESETS["tiny-llama"], attention_bias=True, mlp_bias=True,
+                                     hidden_act="gelu_pytorch_tanh")
 # The benchmark model at Llama-3-8B's depth: start-up must not grow with the layer count.
 PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
 # The benchmark model's shapes with no residual writes (o_proj and down_proj zero, the compute
@@ -285,7 +287,7 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
         "num_attention_heads": spec["num_attention_heads"],
         "num_key_value_heads": spec["num_key_value_heads"],
         "head_dim": spec["head_dim"],
-        "hidden_act": "silu",
+        "hidden_act": spec.get("hidden_act", "silu"),
         "max_position_embeddings": spec["max_position_embeddings"],
         "rms_norm_eps": 1e-6,
         "initializer_range": 0.02,

@@ -19,12 +19,12 @@ from models.config import ModelConfig
 PROMPT_LENS = [1, 7, 16, 33, 64, 100, 5, 170]  # 8 prompts, ragged, crossing page boundaries
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-llama-biases", "tiny-qwen2",
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-llama-options", "tiny-qwen2",
                                         "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
 def models(request, checkpoint, engine_kwargs):
     path = checkpoint(request.param)
-    if ModelConfig.from_pretrained(path).is_moe or request.param == "tiny-llama-biases":
-        # MoE steps compile in about 2.5x a dense step's time, and the biases need no other
+    if ModelConfig.from_pretrained(path).is_moe or request.param == "tiny-llama-options":
+        # MoE steps compile in about 2.5x a dense step's time, and Llama's options need no other
         # batch shapes than tiny-llama's: fewer buckets (8 decode rows hold the 8 prompts).
         engine_kwargs = dict(engine_kwargs, max_running_requests=len(PROMPT_LENS))
     engine = Engine(model_path=str(path), **engine_kwargs)

@@ -2,9 +2,13 @@
 
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
+import torch
 
-from models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from models.config import SUPPORTED_ACTIVATIONS, SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from models.llama import activation
 
 _LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -160,6 +164,24 @@ def test_qwen_sliding_window_per_layer_as_transformers_applies_it():
         _cfg(**qwen2, max_window_layers=2)
     with pytest.raises(ValueError, match="chunked_attention"):
         _cfg(**qwen2, layer_types=["chunked_attention"] * 4)
+
+
+@pytest.mark.parametrize("name", SUPPORTED_ACTIVATIONS)
+def test_activations_match_transformers(name):
+    from transformers.activations import ACT2FN
+    x = np.linspace(-6, 6, 1001, dtype=np.float32)
+    want = ACT2FN[name](torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.asarray(activation(name)(jnp.asarray(x))), want, rtol=1e-5,
+                               atol=1e-6)
+    assert _cfg(hidden_act=name).hidden_act == name
+
+
+def test_unsupported_activation_named():
+    assert _cfg(hidden_act=_DROP).hidden_act == "silu"  # HF's default
+    with pytest.raises(ValueError, match="hidden_act 'xielu' is not supported"):
+        _cfg(hidden_act="xielu")
+    with pytest.raises(ValueError, match="experts compute silu only"):
+        _cfg(architectures=["MixtralForCausalLM"], hidden_act="gelu")
 
 
 def test_unknown_architecture_lists_supported():
