@@ -72,8 +72,9 @@ def test_dummy_weights_from_a_config_alone(checkpoint, engine_kwargs, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights, no tokenizer
     with pytest.raises(FileNotFoundError, match="no weights in .*load_format='dummy'"):
         resolve_load_format("auto", tmp_path)
+    # Three prompts need no more than 4 decode rows and 32-token prefill steps: few buckets.
     engine = Engine(model_path=str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
-                    **engine_kwargs)
+                    **dict(engine_kwargs, max_running_requests=4, max_prefill_tokens=32))
     try:
         with CompileCounter() as compiles:
             outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
