@@ -22,7 +22,8 @@ checkpoints/small on first use:
 Besides throughput it reports the compute floor: the workload's useful FLOPs (no padding; each
 token's layer matmuls and attention at its own context length, the LM head once per output token;
 a shared prefix counted once per group) divided by this machine's matmul rate at the model's
-shapes, measured in the same run, and the achieved fraction floor / elapsed.
+shapes, measured in the same run (before and after it, the faster kept: a shared VM's speed
+drifts), and the achieved fraction floor / elapsed.
 
 `--baseline hf` runs the same requests through Hugging Face `generate` (torch, CPU, float32):
 static batches of `--hf-batch-sizes` (default: `--max-running-requests`) in request order, left
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from bench_common import (ModelShapes, emit, floor_seconds, machine_info,
+from bench_common import (ModelShapes, emit, faster_rates, floor_seconds, machine_info,
                           measure_matmul_rates, print_table)
 from model_configs import CONFIGS, write_config
 from jaxrunner import Engine
@@ -271,15 +272,23 @@ def main(argv=None) -> dict:
     if run["output_tokens"] != requested:
         raise RuntimeError(f"engine generated {run['output_tokens']} tokens, {requested} asked")
 
+    compiles = engine.compile_monitor.count - engine.runner.warm_compile_count
+    num_devices = engine.runner.parallel.num_devices
+    result_args = dataclasses.asdict(engine.args)
+    load_format, backend = engine.runner.load_format, engine.runner.attention_backend_name
+    device = str(engine.runner.device)
+    engine.shutdown()
+    # Probed again after the run (its programs are compiled: no compile), the faster kept.
+    rates = faster_rates(rates, measure_matmul_rates(shapes, dtype=shapes.dtype,
+                                                     reps=args.probe_reps))
     flops = workload_flops(shapes, w, reuse_prefix=True)
     flops_no_reuse = workload_flops(shapes, w, reuse_prefix=False)
     floor_s = floor_seconds(flops, rates)
-    num_devices = engine.runner.parallel.num_devices
     result = {
         "model_path": model_path,
-        "load_format": engine.runner.load_format,
-        "backend": engine.runner.attention_backend_name,
-        "device": str(engine.runner.device),
+        "load_format": load_format,
+        "backend": backend,
+        "device": device,
         "machine": machine_info(),
         "tp_size": args.tp_size, "dp_size": args.dp_size, "num_devices": num_devices,
         "workload": args.workload,
@@ -293,7 +302,7 @@ def main(argv=None) -> dict:
         "total_throughput_per_device":
             (input_tokens + run["output_tokens"]) / run["elapsed_s"] / num_devices,
         "model_steps": run["model_steps"],
-        "compiles_after_warmup": engine.compile_monitor.count - engine.runner.warm_compile_count,
+        "compiles_after_warmup": compiles,
         "useful_flops": flops.as_dict(),
         "useful_flops_without_prefix_reuse": flops_no_reuse.total,
         "matmul_rates": rates,
@@ -301,9 +310,8 @@ def main(argv=None) -> dict:
         "compute_floor_without_prefix_reuse_s": floor_seconds(flops_no_reuse, rates),
         "floor_fraction": floor_s / run["elapsed_s"],
         "achieved_flops_per_s": flops.total / run["elapsed_s"],
-        "engine_args": dataclasses.asdict(engine.args),
+        "engine_args": result_args,
     }
-    engine.shutdown()
     if args.baseline == "hf":
         sizes = args.hf_batch_sizes or [result["engine_args"]["max_running_requests"]]
         runs = [run_hf(model_path, w, b) for b in sizes]
@@ -331,6 +339,9 @@ def main(argv=None) -> dict:
         ("compiles after warm-up", result["compiles_after_warmup"]),
         ("useful GFLOP", flops.total / 1e9),
         ("matmul rate, layers (GFLOP/s)", rates["layers_flops_per_s"] / 1e9),
+        ("... probed before / after the run", "{:.1f} / {:.1f}".format(
+            rates["drift"]["layers_flops_per_s_before"] / 1e9,
+            rates["drift"]["layers_flops_per_s_after"] / 1e9)),
         ("matmul rate, LM head (GFLOP/s)", rates["lm_head_flops_per_s"] / 1e9),
         ("compute floor (s)", floor_s),
         ("achieved / floor", f"{100 * result['floor_fraction']:.1f}%"),

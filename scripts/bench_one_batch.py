@@ -14,7 +14,8 @@ back. Decode steps alternate between two ways of timing:
   device step (forward + sample) and host post-processing (`host_fraction` = the host's share).
 Per decode step it also reports the FLOPs and bytes (weights + KV read/written + activations),
 the time the step's matmuls alone take at its padded batch size (every layer's [B, in] x [in, out]
-and the LM head, timed as bench_common.measure_matmul_rates does: `matmul_s`, `step_vs_matmul`),
+and the LM head, timed as bench_common.measure_matmul_rates does, before and after the batches
+with the faster kept: `matmul_s`, `step_vs_matmul`),
 and the roofline max(FLOPs / peak rate, bytes / bandwidth),
 the peak being the best matmul rate measured at the model's shapes.
 
@@ -30,7 +31,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from bench_common import (ModelShapes, emit, floor_seconds, machine_info,
+from bench_common import (ModelShapes, emit, faster_rates, floor_seconds, machine_info,
                           measure_matmul_rates, measure_memory_bandwidth, print_grid, print_table)
 from jaxrunner import Engine
 from jaxrunner.forward_mode import ForwardMode
@@ -233,7 +234,7 @@ def main(argv=None) -> dict:
     compiles_before = engine.compile_monitor.count
     br = BatchRunner(engine)
 
-    results, skipped = [], []
+    runs, skipped = [], []
     t_start, last = time.perf_counter(), None
     for b in tqdm(args.batch_sizes, desc="batch sizes"):
         spent = time.perf_counter() - t_start
@@ -244,26 +245,36 @@ def main(argv=None) -> dict:
         if last is None:  # an untimed first pass warms host-side caches (jit dispatch)
             run_batch(br, b, args.input_len, 2, args.max_prefill_tokens, cfg.vocab_size,
                       args.seed + 1)
-        run = run_batch(br, b, args.input_len, args.output_len, args.max_prefill_tokens,
-                        cfg.vocab_size, args.seed)
-        last = summarize(run, args, b, shapes, rates, bandwidth["bytes_per_s"])
-        results.append(last)
+        last = run_batch(br, b, args.input_len, args.output_len, args.max_prefill_tokens,
+                         cfg.vocab_size, args.seed)
+        last["batch_size"] = b
+        runs.append(last)
+    compiles = engine.compile_monitor.count - compiles_before
+    backend = engine.runner.attention_backend_name
+    engine.shutdown()
+    # Probed again after the batches (no compile: the same programs), the faster kept.
+    rates = faster_rates(rates, measure_matmul_rates(shapes, rows=rows, dtype=shapes.dtype,
+                                                     reps=args.probe_reps))
+    results = [summarize(run, args, run["batch_size"], shapes, rates, bandwidth["bytes_per_s"])
+               for run in runs]
 
     result = {
-        "model_path": model_path, "backend": engine.runner.attention_backend_name,
+        "model_path": model_path, "backend": backend,
         "machine": machine_info(), "dtype": shapes.dtype,
         "input_len": args.input_len, "output_len": args.output_len,
         "max_prefill_tokens": args.max_prefill_tokens,
         "matmul_rates": rates, "memory_bandwidth": bandwidth,
-        "compiles_after_warmup": engine.compile_monitor.count - compiles_before,
+        "compiles_after_warmup": compiles,
         "batches": results, "skipped_batch_sizes": skipped,
     }
-    engine.shutdown()
     emit(result, args.json_out)
     print_table([
         ("model", Path(model_path).name), ("input / output len",
                                            f"{args.input_len} / {args.output_len}"),
         ("matmul rate, layers (GFLOP/s)", rates["layers_flops_per_s"] / 1e9),
+        ("... probed before / after the batches", "{:.1f} / {:.1f}".format(
+            rates["drift"]["layers_flops_per_s_before"] / 1e9,
+            rates["drift"]["layers_flops_per_s_after"] / 1e9)),
         ("memory bandwidth (GB/s)", bandwidth["bytes_per_s"] / 1e9),
         ("skipped batch sizes (time budget)", ", ".join(map(str, skipped)) or "-"),
     ], title="One batch")

@@ -84,6 +84,24 @@ def test_bench_attention_times_each_cpu_build(tmp_path):
         assert r["gflops_per_s"] == pytest.approx(r["flops"] / r["median_ms"] / 1e6)
 
 
+def test_faster_rates_keep_each_row_counts_faster_probe():
+    def probe(layers_s, head_s):
+        rows = [{"rows": m, "layers_matmul_s": l, "lm_head_s": h,
+                 "layers_flops_per_s": 1 / l, "lm_head_flops_per_s": 1 / h}
+                for m, l, h in zip((64, 512), layers_s, head_s)]
+        return {"dtype": "float32", "per_rows": rows,
+                "layers_flops_per_s": max(r["layers_flops_per_s"] for r in rows),
+                "lm_head_flops_per_s": max(r["lm_head_flops_per_s"] for r in rows)}
+
+    before, after = probe((2.0, 4.0), (1.0, 8.0)), probe((3.0, 2.5), (0.5, 9.0))
+    rates = bench_common.faster_rates(before, after)
+    assert [(r["layers_matmul_s"], r["lm_head_s"]) for r in rates["per_rows"]] == [(2.0, 0.5),
+                                                                                  (2.5, 8.0)]
+    assert rates["per_rows"][1]["layers_flops_per_s"] == 0.4
+    assert rates["layers_flops_per_s"] == 0.5 and rates["lm_head_flops_per_s"] == 2.0
+    assert rates["drift"] == {"layers_flops_per_s_before": 0.5, "layers_flops_per_s_after": 0.4}
+
+
 def test_bench_offline_throughput_with_hf_baseline(checkpoint, compilation_cache_dir, tmp_path,
                                                   capsys):
     out = tmp_path / "offline.json"
