@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_ab  # noqa: E402
 import bench_attention  # noqa: E402
 import bench_common  # noqa: E402
 import bench_moe  # noqa: E402
@@ -134,6 +135,28 @@ def test_bench_offline_throughput_with_hf_baseline(checkpoint, compilation_cache
     assert result["speedup_vs_hf"] == pytest.approx(hf["elapsed_s"] / result["elapsed_s"])
 
 
+def test_bench_ab_takes_turns_and_compares_tokens(checkpoint, compilation_cache_dir, capsys):
+    base = {"dtype": "float32", "max_running_requests": 4, "max_prefill_tokens": 64,
+            "max_total_tokens": 2048, "compilation_cache_dir": compilation_cache_dir}
+    result = bench_ab.main(
+        ["--model-path", str(checkpoint("tiny-llama")), "--variant", json.dumps(base),
+         "--variant", json.dumps(dict(base, disable_overlap_schedule=True)), "--rounds", "2",
+         "--num-prompts", "3", "--input-len", "4", "40", "--output-len", "2", "5"])
+    first, second = result["variants"]
+    assert second["engine_args"]["disable_overlap_schedule"] is True
+    for v in (first, second):
+        assert len(v["times_s"]) == 2 and all(t > 0 for t in v["times_s"])
+        assert v["min_s"] <= v["median_s"] <= v["max_s"]
+        assert v["compiles_after_warmup"] == 0
+        # Overlap or not, greedy decoding gives the same tokens, round by round.
+        assert v["same_tokens_as_first"] == [True, True]
+    assert first["median_vs_first"] == 1.0
+    assert second["median_vs_first"] == pytest.approx(second["median_s"] / first["median_s"])
+    assert "median / first" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_ab.parse_args(["--variant", "{}"])  # one variant compares nothing
+
+
 def test_bench_offline_throughput_shared_prefix(checkpoint, compilation_cache_dir):
     result = bench_offline_throughput.main(
         _common_flags(checkpoint, compilation_cache_dir)
@@ -156,8 +179,8 @@ def test_bench_offline_throughput_runs_dummy_weights_from_a_config_alone(
     flags[1] = str(tmp_path)  # --model-path: config.json and nothing else
     result = bench_offline_throughput.main(
         flags + ["--load-format", "dummy", "--num-prompts", "2", "--input-len", "8", "16",
-                 "--output-len", "2", "3", "--max-running-requests", "16",
-                 "--max-prefill-tokens", "512"])
+                 "--output-len", "2", "3", "--max-running-requests", "4",
+                 "--max-prefill-tokens", "32"])
     assert result["load_format"] == "dummy" and result["compiles_after_warmup"] == 0
     assert result["num_prompts"] == 2 and 4 <= result["output_tokens"] <= 6
     with pytest.raises(SystemExit):  # dummy weights have no checkpoint to compare with
