@@ -109,7 +109,7 @@ def test_bench_offline_throughput_with_hf_baseline(checkpoint, compilation_cache
     result = bench_offline_throughput.main(
         _common_flags(checkpoint, compilation_cache_dir)
         + ["--num-prompts", "6", "--input-len", "8", "40", "--output-len", "2", "6",
-           "--max-running-requests", "16", "--max-prefill-tokens", "512",
+           "--max-running-requests", "8", "--max-prefill-tokens", "64",
            "--baseline", "hf", "--hf-batch-sizes", "16", "4", "--json-out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     printed = capsys.readouterr().out
@@ -162,7 +162,7 @@ def test_bench_offline_throughput_shared_prefix(checkpoint, compilation_cache_di
         _common_flags(checkpoint, compilation_cache_dir)
         + ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "2",
            "--prefix-len", "32", "--suffix-len", "4", "--output-len", "3", "3",
-           "--max-running-requests", "16", "--max-prefill-tokens", "512"])
+           "--max-running-requests", "4", "--max-prefill-tokens", "64"])
     assert result["workload"] == "shared-prefix"
     assert result["num_prompts"] == 4 and result["input_tokens"] == 4 * 36
     assert result["output_tokens"] == 4 * 3
