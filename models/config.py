@@ -366,6 +366,8 @@ def _qwen_sliding_window(d: dict[str, Any]) -> int | None:
     if types is None:
         start = d.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported (only full_attention and "

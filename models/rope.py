@@ -26,7 +26,8 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     the others. One ulp of inv_freq moves the angle at position p by about p * 6e-8 rad.
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    inv_freq = np.float32(1.0) / (rope.theta ** exponents.astype(np.float64)).astype(np.float32)
+    pos_freqs = (rope.theta ** exponents.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / pos_freqs
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "linear":
@@ -34,7 +35,7 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     if rope.rope_type == "llama3":
         return _llama3_scaling(inv_freq, rope)
     if rope.rope_type == "yarn":
-        return _yarn_scaling(rope, head_dim)
+        return _yarn_scaling(inv_freq, pos_freqs, rope, head_dim)
     raise ValueError(f"unsupported rope type {rope.rope_type!r}")
 
 
@@ -55,12 +56,12 @@ def attention_scaling(rope: RopeConfig) -> float:
     return mscale(rope.factor)
 
 
-def _yarn_scaling(rope: RopeConfig, head_dim: int) -> np.ndarray:
+def _yarn_scaling(inv_freq: np.ndarray, pos_freqs: np.ndarray, rope: RopeConfig,
+                  head_dim: int) -> np.ndarray:
     """YaRN ("NTK-by-parts"): dimensions that turn fewer than `beta_slow` times over the
     original context are interpolated (divided by `factor`), those turning more than
     `beta_fast` times are kept, and a linear ramp blends the ones between. float32 as in
-    transformers' `_compute_yarn_parameters`."""
-    factor = np.float32(rope.factor)
+    transformers' `_compute_yarn_parameters` (`pos_freqs` = theta ** (2i / d))."""
     base, original = rope.theta, rope.original_max_position_embeddings
 
     def correction_dim(rotations):
@@ -72,13 +73,10 @@ def _yarn_scaling(rope: RopeConfig, head_dim: int) -> np.ndarray:
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # as transformers does, against a zero-width ramp
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    pos_freqs = (base ** exponents.astype(np.float64)).astype(np.float32)  # rounded as above
-    extrapolation = np.float32(1.0) / pos_freqs
-    interpolation = np.float32(1.0) / (factor * pos_freqs)
+    interpolation = np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)
     ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    keep = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
-    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+    keep = 1 - ramp  # float32: the extrapolated (unscaled) share of each dimension
+    return (interpolation * (1 - keep) + inv_freq * keep).astype(np.float32)
 
 
 def _llama3_scaling(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:

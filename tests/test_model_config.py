@@ -164,6 +164,8 @@ def test_qwen_sliding_window_per_layer_as_transformers_applies_it():
         _cfg(**qwen2, max_window_layers=2)
     with pytest.raises(ValueError, match="chunked_attention"):
         _cfg(**qwen2, layer_types=["chunked_attention"] * 4)
+    with pytest.raises(ValueError, match="layer_types has 3 entries for 4 layers"):
+        _cfg(**qwen2, layer_types=["sliding_attention"] * 3)
 
 
 @pytest.mark.parametrize("name", SUPPORTED_ACTIVATIONS)
