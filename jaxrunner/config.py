@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from models.quant_config import check_method as check_quantization
 
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
+CPU_MATMULS = ("auto", "packed", "xla")
 DLLM_ALGORITHMS = ("LowConfidence",)
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -99,6 +100,12 @@ class EngineArgs:
     # Run the Pallas kernels in interpret mode (CPU tests). The interpreter compiles small
     # programs as it runs, so it cannot be combined with `disallow_compile_after_warmup`.
     pallas_interpret: bool = False
+    # The CPU's dense float32 projections and LM head: "packed" stores each weight as the C++
+    # kernel's column panels at start-up (kernels_cpu/packed_matmul.cc: read once, in order, in
+    # place; XLA:CPU copies a layer's weights out of the stack and repacks them every step);
+    # "xla" leaves them to XLA's dot. auto: "packed" on a single-device CPU where the kernel
+    # builds, else "xla". Quantized and bfloat16 weights always run XLA's dot.
+    cpu_matmul: str = "auto"
 
     # Compilation. Every bucket is compiled at start-up; `disallow_compile_after_warmup` makes any
     # later compile raise instead of silently stalling a step. Compiled executables are kept in
@@ -204,6 +211,8 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"cpu_matmul must be one of {CPU_MATMULS}, got {self.cpu_matmul!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got "
                              f"{self.load_format!r}")

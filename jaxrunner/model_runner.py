@@ -59,9 +59,11 @@ from jaxrunner.speculative.spec_info import VerifyInput
 from jaxrunner.speculative.steps import captured_hidden, verify_step
 from jaxrunner.speculative.tree_steps import tree_verify_step
 from jaxrunner.split_prefill_step import abstract_layer_range, split_prefill_step
+import kernels_cpu
 from kernels_pallas import lowering
 from models import quant_config
 from models.config import ModelConfig
+from models.llama import pack_linears
 from models.load_format import abstract_state, load_state, resolve_load_format
 from models.moe_parallel import MoeRunner
 from models.registry import model_class
@@ -298,6 +300,7 @@ class ModelRunner:
             graphdef, state = load_state(self.load_format, model_cls, self.sharded_config, cfg,
                                          self.args.model_path, self.dtype, place,
                                          seed=self.args.random_seed)
+        graphdef, state = self._pack_cpu_weights(graphdef, state)
         self.graphdef = graphdef
         self.weights = ModelWeights(graphdef, state, model_cls=model_cls,
                                     config=self.sharded_config, checkpoint_config=cfg,
@@ -305,6 +308,27 @@ class ModelRunner:
                                     compile_monitor=self.compile_monitor)
         # Per device: what one device's memory holds of the weights.
         self.weights_bytes = self.weights.device_bytes
+
+    def _pack_cpu_weights(self, graphdef, state):
+        """The float32 Linear kernels as the CPU matmul kernel's panels (`cpu_matmul`, see
+        EngineArgs; models/packed.py), on a single-device CPU."""
+        choice, single = self.args.cpu_matmul, self.parallel.num_devices == 1
+        if choice == "packed" and (self.platform != "cpu" or not single):
+            raise ValueError(f"cpu_matmul='packed' needs a single-device CPU; this runner has "
+                             f"{self.parallel.num_devices} {self.platform} device(s)")
+        self.cpu_matmul = "xla"
+        if choice == "xla" or self.platform != "cpu" or not single:
+            return graphdef, state
+        try:
+            panel = kernels_cpu.load_packed_matmul()
+        except kernels_cpu.KernelBuildError:
+            if choice == "packed":
+                raise
+            return graphdef, state  # no C++ compiler: XLA's dot, as the attention falls back
+        graphdef, state, packed = pack_linears(graphdef, state, panel)
+        if packed:
+            self.cpu_matmul = "packed"
+        return graphdef, state
 
     @property
     def state(self):

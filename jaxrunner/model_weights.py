@@ -30,12 +30,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import kernels_cpu
 from jaxrunner.compile_guard import CompileMonitor
 from models.config import ModelConfig
 from models.load_format import (abstract_state, resolve_load_format, restore_orbax,
                                 without_kv_scales)
 from models.loader import (ParamSource, checkpoint_sources, hf_name, place_all, tensor_shapes,
                            to_checkpoint_layout, to_model_layout)
+from models.packed import PackedWeight
 from models.sharding import ShardedPlacer
 from models.weights import CheckpointReader
 
@@ -69,8 +71,16 @@ class ModelWeights:
         self.compile_monitor = compile_monitor
         self._flat = nnx.to_flat_state(state)
         self._variables = dict(self._flat)
+        # The plain layout's shape of every parameter (a PackedWeight reports its own).
         self.specs = {path: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.get_value().sharding)
                       for path, v in self._flat}
+        # Kernels stored as the CPU matmul's panels (models/packed.py): what they hold, as
+        # stored. Updates pack what they write; `get` unpacks.
+        self._packed = {path: v.get_value() for path, v in self._flat
+                        if isinstance(v.get_value(), PackedWeight)}
+        self._stored_specs = {
+            path: jax.ShapeDtypeStruct(w.data.shape, w.data.dtype, sharding=w.data.sharding)
+            for path, w in self._packed.items()}
         # Names and shapes from the checkpoint's own config (KV heads not repeated).
         _, stored = abstract_state(model_cls, checkpoint_config, dtype, placer)
         # A MoE model's expert tensors have no name table yet: its weights are not updated
@@ -87,8 +97,9 @@ class ModelWeights:
     @property
     def device_bytes(self) -> int:
         """What one device holds of the weights (when resident)."""
+        specs = {**self.specs, **self._stored_specs}
         return sum(int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize
-                   for s in self.specs.values())
+                   for s in specs.values())
 
     # ---- updates ----
 
@@ -177,10 +188,15 @@ class ModelWeights:
             self._set(path, self.placer(source, self.dtype))
         else:
             sharding = self.placer.layer_sharding(path, spec.shape)
-            write = self._layer_writer(spec.sharding)
+            packed = self._packed.get(path)
+            write = self._layer_writer(spec.sharding, None if packed is None else packed.panel)
             for layer, tensor in sorted(layers.items()):
                 value = self._to_device(path, tensor, sharding, spec.shape[1:])
-                self._set(path, write(self._variables[path].get_value(), np.int32(layer), value))
+                stored = self._variables[path].get_value()
+                if packed is None:
+                    self._set(path, write(stored, np.int32(layer), value))
+                else:
+                    self._set(path, stored.with_data(write(stored.data, np.int32(layer), value)))
         self._missing -= {(path, layer) for layer in layers}
 
     def _to_device(self, path: tuple, tensor, sharding, shape: tuple) -> jax.Array:
@@ -200,11 +216,14 @@ class ModelWeights:
                     self.dtype), out_shardings=sharding)
         return self._layout_programs[key](tensor)
 
-    def _layer_writer(self, sharding):
-        if sharding not in self._layer_writers:
-            self._layer_writers[sharding] = jax.jit(_write_layer, donate_argnums=0,
-                                                    out_shardings=sharding)
-        return self._layer_writers[sharding]
+    def _layer_writer(self, sharding, panel: int | None = None):
+        """A donated program writing one layer of a stack (of `panel`-column panels: packing
+        the plain layer it is given)."""
+        key = (sharding, panel)
+        if key not in self._layer_writers:
+            write = _write_layer if panel is None else partial(_write_packed_layer, panel=panel)
+            self._layer_writers[key] = jax.jit(write, donate_argnums=0, out_shardings=sharding)
+        return self._layer_writers[key]
 
     def get(self, name: str, truncate_size: int = 100) -> np.ndarray:
         """Tensor `name` as the checkpoint holds it (PyTorch's [out, in] for linear layers,
@@ -232,9 +251,9 @@ class ModelWeights:
         if self.released:
             return
         if cpu_backup:
-            self._backup = {path: _host_shards(v.get_value()) for path, v in self._flat}
+            self._backup = {path: _host_shards(_array(v.get_value())) for path, v in self._flat}
         for path, variable in self._flat:
-            variable.get_value().delete()
+            _array(variable.get_value()).delete()
             variable.set_value(self.specs[path])
         self.released = True
         self._commit()
@@ -245,7 +264,7 @@ class ModelWeights:
         if not self.released:
             return
         for path, variable in self._flat:
-            spec = self.specs[path]
+            spec = self._stored_specs.get(path, self.specs[path])
             if self._backup is not None:
                 shards = self._backup[path]
                 value = jax.make_array_from_callback(spec.shape, spec.sharding,
@@ -254,6 +273,8 @@ class ModelWeights:
                 zeros = np.zeros(spec.sharding.shard_shape(spec.shape), spec.dtype)
                 value = jax.make_array_from_callback(spec.shape, spec.sharding,
                                                      lambda index: zeros)
+            if path in self._packed:
+                value = self._packed[path].with_data(value)
             variable.set_value(value)
         if self._backup is None:
             self._missing = self._all_slots()
@@ -275,10 +296,15 @@ class ModelWeights:
     # ---- internals ----
 
     def _set(self, path: tuple, value: jax.Array) -> None:
+        """Stores `value` (the plain layout, or a PackedWeight) at `path`, packed if the
+        parameter is stored packed."""
+        packed = self._packed.get(path)
+        if packed is not None and not isinstance(value, PackedWeight):
+            value = PackedWeight.pack(value, packed.panel, packed.stacked)
         variable = self._variables[path]
-        old = variable.get_value()
+        old = _array(variable.get_value())
         variable.set_value(value)
-        if isinstance(old, jax.Array) and old is not value and not old.is_deleted():
+        if isinstance(old, jax.Array) and old is not _array(value) and not old.is_deleted():
             old.delete()  # free it now, not when the last reference goes
 
     def _commit(self) -> None:
@@ -324,10 +350,22 @@ def _write_layer(stacked, layer, value):
     return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), layer, 0)
 
 
+def _write_packed_layer(stacked, layer, value, *, panel: int):
+    """A packed stack [L, P, K, panel] with layer `layer` replaced by the plain [K, N] `value`."""
+    return _write_layer(stacked, layer, kernels_cpu.pack_weight(value, panel))
+
+
+def _array(value):
+    """The array a parameter's value keeps its bytes in."""
+    return value.data if isinstance(value, PackedWeight) else value
+
+
 @partial(jax.jit, static_argnames=("path", "stacked", "rows", "placer"))
 def _checkpoint_rows(value, layer, *, path, stacked, rows, placer):
     """The first `rows` rows of one tensor in the checkpoint's layout, cut on the devices so
     only those rows come to the host."""
+    if isinstance(value, PackedWeight):
+        value = value.unpacked()
     if stacked:
         value = jax.lax.dynamic_index_in_dim(value, layer, 0, keepdims=False)
     return to_checkpoint_layout(path, placer.unrepeat_heads(path, value))[:rows]

@@ -67,26 +67,26 @@ def _cache_dir() -> Path:
     return Path(root) / "jaxrunner" / "kernels_cpu"
 
 
-def _build(march: str | None = None) -> Path:
+def _build(march: str | None = None, source: Path = _SOURCE) -> Path:
     cxx = _compiler()
     flags = _FLAGS + ([f"-march={march}"] if march else _arch_flags(cxx))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=False).stdout
     key = hashlib.sha256("\0".join([
-        _SOURCE.read_text(), cxx, version, " ".join(flags), jaxlib.__version__, _cpu_signature(),
+        source.read_text(), cxx, version, " ".join(flags), jaxlib.__version__, _cpu_signature(),
     ]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"ragged_paged_attention-{key}.so"
+    out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent builders never see a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         os.unlink(tmp)
-        raise KernelBuildError(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n"
+        raise KernelBuildError(f"compiling {source.name} failed:\n{' '.join(cmd)}\n"
                                f"{result.stderr[-4000:]}")
     os.replace(tmp, out)
     return out
@@ -193,5 +193,65 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
         sliding_window=np.int64(sliding_window or 0))
 
 
-__all__ = ["KernelBuildError", "X86_LEVELS", "load", "ragged_paged_attention_cpu", "runnable_levels",
-           "unavailable_reason"]
+# ---- a matmul over weights packed at load time (packed_matmul.cc) -----------------------------
+
+_MATMUL_SOURCE = Path(__file__).with_name("packed_matmul.cc")
+_MATMUL_TARGET = "jaxrunner_packed_matmul"
+
+
+@functools.cache
+def load_packed_matmul(march: str | None = None) -> int:
+    """Builds (once per machine) and registers the packed matmul; returns the panel width (in
+    columns) its weights are packed to: two of the build's vectors (16 with AVX2, 32 with
+    AVX-512). Raises KernelBuildError."""
+    if march is not None and march not in X86_LEVELS:
+        raise ValueError(f"march must be one of {sorted(X86_LEVELS)}, got {march!r}")
+    path = _build(march, _MATMUL_SOURCE)
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"loading {path} failed: {e}") from e
+    target = _MATMUL_TARGET + ("" if march is None else "_" + march.replace("-", "_"))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxrunnerPackedMatmul),
+                                platform="cpu")
+    return int(lib.JaxrunnerPackedMatmulPanel())
+
+
+def pack_weight(w, panel: int):
+    """w [..., K, N] (numpy or jax) -> [..., ceil(N / panel), K, panel]: each run of `panel`
+    columns stored row after row, zero columns past N."""
+    xp = np if isinstance(w, np.ndarray) else jax.numpy
+    *lead, k, n = w.shape
+    p = -(-n // panel)
+    w = xp.pad(w, [(0, 0)] * (len(lead) + 1) + [(0, p * panel - n)])
+    w = w.reshape(*lead, k, p, panel)
+    return xp.swapaxes(w, -3, -2) if xp is jax.numpy else np.ascontiguousarray(
+        np.swapaxes(w, -3, -2))
+
+
+def unpack_weight(w, n: int):
+    """The inverse of `pack_weight`: [..., P, K, panel] -> [..., K, n]."""
+    xp = np if isinstance(w, np.ndarray) else jax.numpy
+    *lead, p, k, panel = w.shape
+    return xp.swapaxes(w, -3, -2).reshape(*lead, k, p * panel)[..., :n]
+
+
+def packed_matmul_cpu(x, w, layer, n: int, *, march: str | None = None):
+    """x [M, K] float32 @ the layer `layer` (an int32 scalar, traced or not) of `w` [L, P, K,
+    panel] (`pack_weight` of a stacked [L, K, n] weight) -> [M, n] float32, on XLA's CPU thread
+    pool. `march`: the build for one of X86_LEVELS (see `load`) instead of the native one."""
+    panel = load_packed_matmul(march)
+    if x.dtype != np.float32 or w.dtype != np.float32:
+        raise ValueError(f"packed_matmul_cpu takes float32, got x {x.dtype} and w {w.dtype}")
+    if x.ndim != 2 or w.ndim != 4 or w.shape[2] != x.shape[1] or w.shape[3] != panel \
+            or w.shape[1] != -(-n // panel):
+        raise ValueError(f"packed_matmul_cpu: x {x.shape} and w {w.shape} do not make [M, {n}] "
+                         f"with panels of {panel} columns")
+    target = _MATMUL_TARGET + ("" if march is None else "_" + march.replace("-", "_"))
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(
+        x, w, jax.numpy.reshape(layer, (1,)).astype(np.int32))
+
+
+__all__ = ["KernelBuildError", "X86_LEVELS", "load", "load_packed_matmul", "pack_weight",
+           "packed_matmul_cpu", "ragged_paged_attention_cpu", "runnable_levels",
+           "unavailable_reason", "unpack_weight"]

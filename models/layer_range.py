@@ -23,6 +23,7 @@ from flax import nnx
 from jaxrunner.attention import AttentionBackend
 from jaxrunner.forward_batch import ForwardBatch
 from models.moe_parallel import MoeRunner
+from models.packed import filled, hollow
 from models.rope import step_cos_sin
 
 
@@ -54,8 +55,9 @@ def forward_layer_range(model, fb: ForwardBatch, kv_cache: jax.Array, backend: A
         def body(index, carry, graphdef=graphdef, layers_state=layers_state, run=run):
             x, flat_cache, run_counts = carry
             i = index - run.start
-            state = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, i, keepdims=False),
-                                 layers_state)
+            hollowed, stacks = hollow(layers_state)  # packed weights stay whole
+            state = filled(jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(
+                p, i, keepdims=False), hollowed), stacks, i)
             layer = nnx.merge(graphdef, state)
             x, flat_cache, layer_counts = layer(x, cos, sin, flat_cache, index, fb, backend,
                                                 meta, valid, moe_runner)

@@ -29,6 +29,7 @@ from jaxrunner.lora.layers import NO_LORA, LoraLayer
 from models.config import LayerRun, ModelConfig
 from models.moe import SparseMoeBlock
 from models.moe_parallel import MoeRunner
+from models.packed import PackedWeight, filled, hollow
 from models.quantization import QuantConfig, quantized_matmul
 from models.rope import apply_rope_cos_sin, step_cos_sin
 
@@ -50,11 +51,29 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x):
-        if self.quant is None:
-            y = x @ self.kernel[...]
+        kernel = self.kernel.get_value()
+        if isinstance(kernel, PackedWeight):  # a CPU's packed float32 kernel (models/packed.py)
+            y = kernel(x)
+        elif self.quant is None:
+            y = x @ kernel
         else:
             y = quantized_matmul(x, self.kernel[...], self.weight_scale[...], self.quant)
         return y + self.bias[...] if self.bias is not None else y
+
+
+def pack_linears(graphdef, state, panel: int):
+    """(graphdef, state) with every float32, unquantized `Linear` kernel a `PackedWeight` of
+    `panel` columns (models/packed.py; the model runner does this on a CPU), and how many it
+    packed."""
+    model = nnx.merge(graphdef, state)
+    packed = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and node.quant is None:
+            kernel = node.kernel.get_value()
+            if not isinstance(kernel, PackedWeight) and kernel.dtype == jnp.float32:
+                node.kernel.set_value(PackedWeight.pack(kernel, panel, stacked=kernel.ndim == 3))
+                packed += 1
+    return *nnx.split(model), packed
 
 
 class RMSNorm(nnx.Module):
@@ -221,11 +240,14 @@ class LlamaForCausalLM(nnx.Module):
         active = fb.lora.any_adapter if fb.lora is not None else None
         for run, layers in zip(self.config.layer_runs, self.model.layers):
             graphdef, layers_state = nnx.split(layers)
+            # Packed weights stay whole: the body multiplies by its layer of each stack.
+            layers_state, stacks = hollow(layers_state)
             run_lora = fb.lora.layers(run.start, run.num_layers) if fb.lora is not None else {}
 
-            def body(carry, layer_inputs, graphdef=graphdef):
+            def body(carry, layer_inputs, graphdef=graphdef, stacks=stacks, start=run.start):
                 x, flat_cache, aux = carry
                 state, index, lora_weights = layer_inputs
+                state = filled(state, stacks, index - start)
                 if aux_layers:
                     # Written only at the layers asked for (the rows naming this layer).
                     hit = wanted == index

@@ -276,6 +276,7 @@ def main(argv=None) -> dict:
     num_devices = engine.runner.parallel.num_devices
     result_args = dataclasses.asdict(engine.args)
     load_format, backend = engine.runner.load_format, engine.runner.attention_backend_name
+    cpu_matmul = engine.runner.cpu_matmul
     device = str(engine.runner.device)
     engine.shutdown()
     # Probed again after the run (its programs are compiled: no compile), the faster kept.
@@ -288,6 +289,7 @@ def main(argv=None) -> dict:
         "model_path": model_path,
         "load_format": load_format,
         "backend": backend,
+        "cpu_matmul": cpu_matmul,
         "device": device,
         "machine": machine_info(),
         "tp_size": args.tp_size, "dp_size": args.dp_size, "num_devices": num_devices,

@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="tokens per prefill step (the batch's prefill takes several)")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cpu-matmul", default="auto", choices=("auto", "packed", "xla"),
+                   help="the CPU's dense projections: packed weights (the default) or XLA's dot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--probe-reps", type=int, default=5, help="timed runs per probe (median)")
     p.add_argument("--compilation-cache-dir", default=str(ROOT / ".jax_cache"))
@@ -221,7 +223,7 @@ def main(argv=None) -> dict:
     engine = Engine(model_path=model_path, dtype=args.dtype, page_size=args.page_size,
                     max_running_requests=largest, max_prefill_tokens=args.max_prefill_tokens,
                     max_total_tokens=largest * pages_per_req * args.page_size,
-                    attention_backend=args.attention_backend,
+                    attention_backend=args.attention_backend, cpu_matmul=args.cpu_matmul,
                     compilation_cache_dir=args.compilation_cache_dir,
                     skip_tokenizer_init=True)
     # The probes compile; the batches must not (every shape is a bucket), so forbid after them.
@@ -251,6 +253,7 @@ def main(argv=None) -> dict:
         runs.append(last)
     compiles = engine.compile_monitor.count - compiles_before
     backend = engine.runner.attention_backend_name
+    cpu_matmul = engine.runner.cpu_matmul
     engine.shutdown()
     # Probed again after the batches (no compile: the same programs), the faster kept.
     rates = faster_rates(rates, measure_matmul_rates(shapes, rows=rows, dtype=shapes.dtype,
@@ -259,7 +262,7 @@ def main(argv=None) -> dict:
                for run in runs]
 
     result = {
-        "model_path": model_path, "backend": backend,
+        "model_path": model_path, "backend": backend, "cpu_matmul": cpu_matmul,
         "machine": machine_info(), "dtype": shapes.dtype,
         "input_len": args.input_len, "output_len": args.output_len,
         "max_prefill_tokens": args.max_prefill_tokens,

@@ -6,7 +6,8 @@ batch, with every executed HLO instruction sorted into a kind; prints JSON and a
 
 The batch runs through the engine's own pieces as in `bench_one_batch.py`. The trace's XLA
 events are matched to the step's optimised HLO and each instruction gets one kind:
-- `matmul`: a fusion whose computation holds a dot (on a CPU, YNNPACK's fusions);
+- `matmul`: a fusion whose computation holds a dot (on a CPU, YNNPACK's fusions), or the CPU's
+  packed-weight matmul (kernels_cpu/packed_matmul.cc, a custom call);
 - `attention`: the attention backend's custom call (the C++ kernel on a CPU);
 - `layer weights sliced`: a fusion that only dynamic-slices a stacked [L, ...] parameter (XLA
   copies each scanned layer's weights out of the stack before its matmuls);
@@ -63,7 +64,8 @@ def instruction_kinds(hlo_text: str) -> dict[str, str]:
                 continue
             name, opcode = match.groups()
             if opcode == "custom-call":
-                kinds[name] = "attention"
+                # The CPU's packed matmul (kernels_cpu/packed_matmul.cc) or the attention kernel.
+                kinds[name] = "matmul" if "packed_matmul" in line else "attention"
             elif opcode == "while":
                 kinds[name] = "loop"
             elif opcode == "fusion":
