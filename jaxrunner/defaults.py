@@ -19,6 +19,7 @@ What follows the CPU's instruction set rather than an argument:
 |---|---|---|
 | the C++ attention kernel's build | `-march=native` (kernels_cpu), once per machine | the compiler's vectors and FMA for this CPU |
 | its vector width and register blocks | the ISA it is built for: 16 floats and 32 registers (AVX-512), 8 and 16 (AVX2), 4 and 16 or 32 (SSE, NEON) | 16-float vectors on AVX2 spilled every accumulator: decode attention 6.6x and prefill attention 17.8x slower on a Zen 3 VM (docs/performance.md, issue 19) |
+| the dense float32 projections and LM head (`cpu_matmul="auto"`) | packed weights on a single-device CPU where the C++ kernels build: column panels of two of the build's vectors (16 floats with AVX2, 32 with AVX-512), packed once at start-up | XLA:CPU copies a scanned layer's weights out of the stack and YNNPACK repacks them at every call, so at decode sizes each weight byte crossed memory three or four times; read once and in order instead, the batch-8 decode step ran 1.61x and the batch-64 step 1.20x faster (in-process A/B, Zen 3 VM); bfloat16, quantized and multi-device weights keep XLA's dot |
 | `dtype="auto"` | the checkpoint's `torch_dtype`, on every CPU | bfloat16 on an AVX2 CPU without avx512_bf16 ran the batch-64 decode step 1.07x and prefill 1.15x slower than float32, but float32 takes twice the weight memory; not switched |
 """
 
