@@ -100,11 +100,11 @@ class EngineArgs:
     # Run the Pallas kernels in interpret mode (CPU tests). The interpreter compiles small
     # programs as it runs, so it cannot be combined with `disallow_compile_after_warmup`.
     pallas_interpret: bool = False
-    # The CPU's dense float32 projections and LM head: "packed" stores each weight as the C++
-    # kernel's column panels at start-up (kernels_cpu/packed_matmul.cc: read once, in order, in
-    # place; XLA:CPU copies a layer's weights out of the stack and repacks them every step);
-    # "xla" leaves them to XLA's dot. auto: "packed" on a single-device CPU where the kernel
-    # builds, else "xla". Quantized and bfloat16 weights always run XLA's dot.
+    # The CPU's dense projections and LM head: "packed" stores each float32 or bfloat16 weight as
+    # the C++ kernel's column panels at start-up (kernels_cpu/packed_matmul.cc: read once, in
+    # order, in place; XLA:CPU copies a layer's weights out of the stack and repacks them every
+    # step); "xla" leaves them to XLA's dot. auto: "packed" on a single-device CPU where the
+    # kernel builds, else "xla". Quantized weights always run their own matmul.
     cpu_matmul: str = "auto"
 
     # Compilation. Every bucket is compiled at start-up; `disallow_compile_after_warmup` makes any

@@ -310,7 +310,7 @@ class ModelRunner:
         self.weights_bytes = self.weights.device_bytes
 
     def _pack_cpu_weights(self, graphdef, state):
-        """The float32 Linear kernels as the CPU matmul kernel's panels (`cpu_matmul`, see
+        """The float32 and bfloat16 Linear kernels as the CPU matmul's panels (`cpu_matmul`, see
         EngineArgs; models/packed.py), on a single-device CPU."""
         choice, single = self.args.cpu_matmul, self.parallel.num_devices == 1
         if choice == "packed" and (self.platform != "cpu" or not single):

@@ -67,7 +67,9 @@ def _cache_dir() -> Path:
     return Path(root) / "jaxrunner" / "kernels_cpu"
 
 
-def _build(march: str | None = None, source: Path = _SOURCE) -> Path:
+def _build(march: str | None = None, source: Path | None = None) -> Path:
+    """The shared library of `source` (the attention kernel's by default) for `march`."""
+    source = source or _SOURCE
     cxx = _compiler()
     flags = _FLAGS + ([f"-march={march}"] if march else _arch_flags(cxx))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
@@ -237,12 +239,14 @@ def unpack_weight(w, n: int):
 
 
 def packed_matmul_cpu(x, w, layer, n: int, *, march: str | None = None):
-    """x [M, K] float32 @ the layer `layer` (an int32 scalar, traced or not) of `w` [L, P, K,
-    panel] (`pack_weight` of a stacked [L, K, n] weight) -> [M, n] float32, on XLA's CPU thread
-    pool. `march`: the build for one of X86_LEVELS (see `load`) instead of the native one."""
+    """x [M, K] @ the layer `layer` (an int32 scalar, traced or not) of `w` [L, P, K, panel]
+    (`pack_weight` of a stacked [L, K, n] weight) -> [M, n], on XLA's CPU thread pool. float32
+    or bfloat16 (x and w alike; float32 accumulation). `march`: the build for one of X86_LEVELS
+    (see `load`) instead of the native one."""
     panel = load_packed_matmul(march)
-    if x.dtype != np.float32 or w.dtype != np.float32:
-        raise ValueError(f"packed_matmul_cpu takes float32, got x {x.dtype} and w {w.dtype}")
+    if x.dtype != w.dtype or x.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):
+        raise ValueError(f"packed_matmul_cpu takes float32 or bfloat16 x and w of one dtype, "
+                         f"got x {x.dtype} and w {w.dtype}")
     if x.ndim != 2 or w.ndim != 4 or w.shape[2] != x.shape[1] or w.shape[3] != panel \
             or w.shape[1] != -(-n // panel):
         raise ValueError(f"packed_matmul_cpu: x {x.shape} and w {w.shape} do not make [M, {n}] "

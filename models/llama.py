@@ -62,15 +62,16 @@ class Linear(nnx.Module):
 
 
 def pack_linears(graphdef, state, panel: int):
-    """(graphdef, state) with every float32, unquantized `Linear` kernel a `PackedWeight` of
-    `panel` columns (models/packed.py; the model runner does this on a CPU), and how many it
-    packed."""
+    """(graphdef, state) with every float32 or bfloat16, unquantized `Linear` kernel a
+    `PackedWeight` of `panel` columns (models/packed.py; the model runner does this on a CPU),
+    and how many it packed."""
     model = nnx.merge(graphdef, state)
     packed = 0
     for _, node in nnx.iter_graph(model):
         if isinstance(node, Linear) and node.quant is None:
             kernel = node.kernel.get_value()
-            if not isinstance(kernel, PackedWeight) and kernel.dtype == jnp.float32:
+            if not isinstance(kernel, PackedWeight) and kernel.dtype in (jnp.float32,
+                                                                         jnp.bfloat16):
                 node.kernel.set_value(PackedWeight.pack(kernel, panel, stacked=kernel.ndim == 3))
                 packed += 1
     return *nnx.split(model), packed

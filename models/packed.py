@@ -1,8 +1,8 @@
 """Linear weights kept packed for the CPU matmul kernel (kernels_cpu/packed_matmul.cc).
 
-On a CPU the model runner stores every float32 `Linear` kernel as a `PackedWeight`: the [.., K,
-N] weight as column panels ([L, P, K, panel], `kernels_cpu.pack_weight`), which the kernel reads
-in order and in place. A layer loop must not slice a packed stack (XLA would copy the layer out
+On a CPU the model runner stores every float32 or bfloat16 `Linear` kernel as a `PackedWeight`:
+the [.., K, N] weight as column panels ([L, P, K, panel], `kernels_cpu.pack_weight`), which the
+kernel reads in order and in place. A layer loop must not slice a packed stack (XLA would copy the layer out
 of it each step, the cost the packing removes): `hollow` takes the stacks out of the state a
 loop slices and `filled` puts them back whole, with the loop's layer index, inside its body.
 
@@ -71,7 +71,7 @@ class PackedWeight:
         return dataclasses.replace(self, data=data)
 
     def __call__(self, x):
-        """x [..., K] float32 @ the weight (of layer `index` for a stack) -> [..., N]."""
+        """x [..., K] (the weight's dtype) @ the weight (its layer `index` for a stack)."""
         data = self.data if self.data.ndim == 4 else self.data[None]  # a loop sliced it
         layer = 0 if self.index is None or self.data.ndim == 3 else self.index
         lead = x.shape[:-1]

@@ -70,6 +70,21 @@ def test_get_weights_reads_the_checkpoint_layout(engines):
                                       xla.get_weights_by_name(name, 1000))
 
 
+def test_bfloat16_weights_are_packed_too_and_keep_the_tokens(checkpoint, engine_kwargs):
+    path = str(checkpoint("tiny-llama"))
+    kwargs = {**engine_kwargs, **SMALL, "dtype": "bfloat16"}
+    outs = {}
+    for choice in ("auto", "xla"):
+        engine = Engine(model_path=path, cpu_matmul=choice, **kwargs)
+        try:
+            assert engine.runner.cpu_matmul == ("packed" if choice == "auto" else "xla")
+            outs[choice] = [o["output_ids"] for o in
+                            engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        finally:
+            engine.shutdown()
+    assert outs["auto"] == outs["xla"]
+
+
 def test_cpu_matmul_is_validated(checkpoint, engine_kwargs):
     with pytest.raises(ValueError, match="cpu_matmul must be one of"):
         Engine(model_path=str(checkpoint("tiny-llama")), cpu_matmul="blas", **engine_kwargs)

@@ -3,8 +3,9 @@
 Random ragged shapes that exercise the kernel's seams: row counts that are not a multiple of its
 register block or that span several row blocks, output widths that end inside a panel (the
 panel's unused columns are NaN, and must not reach the output), depths that are not a multiple
-of its k chunk, and every layer of a stack chosen by a traced index. The panel width follows the
-instruction set of the build, so the cases also run on every x86-64 level this CPU executes.
+of its k chunk, and every layer of a stack chosen by a traced index, in float32 and bfloat16.
+The panel width follows the instruction set of the build, so the cases also run on every x86-64
+level this CPU executes.
 """
 
 import jax
@@ -40,23 +41,28 @@ def _packed(w, panel, rng):
     return packed
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("march", _levels(), ids=lambda m: m or "native")
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_packed_matmul_matches_float64(shape, march):
+def test_packed_matmul_matches_float64(shape, march, dtype):
     m, k, n, layers = shape
     rng = np.random.default_rng(m * 1000 + k + n)
     panel = kernels_cpu.load_packed_matmul(march)
-    w = rng.standard_normal((layers, k, n)).astype(np.float32)
-    x = rng.standard_normal((m, k)).astype(np.float32)
+    dt = jnp.dtype(dtype)
+    w = rng.standard_normal((layers, k, n)).astype(dt)
+    x = rng.standard_normal((m, k)).astype(dt)
     fn = jax.jit(lambda x, w, layer: kernels_cpu.packed_matmul_cpu(x, w, layer, n, march=march))
     packed = jnp.asarray(_packed(w, panel, rng))
     for layer in range(layers):
-        out = np.asarray(fn(x, packed, jnp.int32(layer)))
-        assert out.shape == (m, n)
+        out = fn(x, packed, jnp.int32(layer))
+        assert out.shape == (m, n) and out.dtype == dt
+        out = np.asarray(out, np.float64)
         assert np.isfinite(out).all(), "a padding column leaked into the output"
         want = x.astype(np.float64) @ w[layer].astype(np.float64)
-        # float32 accumulation over K terms of unit variance
-        np.testing.assert_allclose(out, want, rtol=0, atol=2e-6 * k + 1e-6)
+        # float32 accumulation over K terms of unit variance; bfloat16 rounds the result once
+        # (half its 2^-7 relative spacing).
+        rounding = 2.0 ** -8 * np.abs(want) if dtype == "bfloat16" else 0.0
+        assert (np.abs(out - want) <= rounding + 2e-6 * k + 1e-6).all(), np.max(np.abs(out - want))
 
 
 def test_pack_unpack_roundtrip_numpy_and_jax():
@@ -80,5 +86,7 @@ def test_packed_matmul_refuses_what_it_cannot_run():
         kernels_cpu.packed_matmul_cpu(x, w, 0, panel + 1)  # needs two panels
     with pytest.raises(ValueError, match="do not make"):
         kernels_cpu.packed_matmul_cpu(jnp.ones((4, 9), jnp.float32), w, 0, panel)
-    with pytest.raises(ValueError, match="float32"):
-        kernels_cpu.packed_matmul_cpu(x.astype(jnp.bfloat16), w, 0, panel)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels_cpu.packed_matmul_cpu(x.astype(jnp.bfloat16), w, 0, panel)  # dtypes differ
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels_cpu.packed_matmul_cpu(x.astype(jnp.float16), w.astype(jnp.float16), 0, panel)
