@@ -52,7 +52,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         kernel = self.kernel.get_value()
-        if isinstance(kernel, PackedWeight):  # a CPU's packed float32 kernel (models/packed.py)
+        if isinstance(kernel, PackedWeight):  # a CPU's packed kernel (models/packed.py)
             y = kernel(x)
         elif self.quant is None:
             y = x @ kernel

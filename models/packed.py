@@ -74,6 +74,8 @@ class PackedWeight:
         """x [..., K] (the weight's dtype) @ the weight (its layer `index` for a stack)."""
         data = self.data if self.data.ndim == 4 else self.data[None]  # a loop sliced it
         layer = 0 if self.index is None or self.data.ndim == 3 else self.index
+        if x.dtype != data.dtype:  # jnp would promote: XLA's dot on the plain layer, as before
+            return x @ kernels_cpu.unpack_weight(data[layer], self.n)
         lead = x.shape[:-1]
         y = kernels_cpu.packed_matmul_cpu(x.reshape(-1, x.shape[-1]), data,
                                           jax.numpy.asarray(layer, jax.numpy.int32), self.n)
