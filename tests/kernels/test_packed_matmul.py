@@ -8,12 +8,15 @@ The panel width follows the instruction set of the build, so the cases also run 
 level this CPU executes.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kernels_cpu
+from models.packed import PackedWeight
 
 # (rows M, depth K, columns N, layers L)
 SHAPES = [
@@ -90,3 +93,22 @@ def test_packed_matmul_refuses_what_it_cannot_run():
         kernels_cpu.packed_matmul_cpu(x.astype(jnp.bfloat16), w, 0, panel)  # dtypes differ
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         kernels_cpu.packed_matmul_cpu(x.astype(jnp.float16), w.astype(jnp.float16), 0, panel)
+
+
+def test_a_packed_weight_multiplies_like_the_plain_one():
+    rng = np.random.default_rng(0)
+    panel = kernels_cpu.load_packed_matmul()
+    w = rng.standard_normal((3, 24, 2 * panel + 3)).astype(np.float32)
+    x = rng.standard_normal((5, 24)).astype(np.float32)
+    packed = PackedWeight.pack(jnp.asarray(w), panel, stacked=True)
+    assert packed.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(packed.unpacked()), w)
+    for layer in range(3):
+        at = dataclasses.replace(packed, index=jnp.int32(layer))
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda p, x: p(x))(at, x)), x @ w[layer],
+                                   rtol=1e-5, atol=1e-5)
+        # Activations of another dtype promote as `x @ w` does (XLA's dot, not the kernel).
+        mixed = jax.jit(lambda p, x: p(x))(at, x.astype(jnp.bfloat16))
+        assert mixed.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(mixed), np.asarray(
+            x.astype(jnp.bfloat16) @ jnp.asarray(w[layer])), rtol=1e-6, atol=1e-6)
