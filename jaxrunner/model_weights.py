@@ -74,13 +74,12 @@ class ModelWeights:
         # The plain layout's shape of every parameter (a PackedWeight reports its own).
         self.specs = {path: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.get_value().sharding)
                       for path, v in self._flat}
-        # Kernels stored as the CPU matmul's panels (models/packed.py): what they hold, as
-        # stored. Updates pack what they write; `get` unpacks.
-        self._packed = {path: v.get_value() for path, v in self._flat
-                        if isinstance(v.get_value(), PackedWeight)}
-        self._stored_specs = {
-            path: jax.ShapeDtypeStruct(w.data.shape, w.data.dtype, sharding=w.data.sharding)
-            for path, w in self._packed.items()}
+        # Kernels stored as the CPU matmul's panels (models/packed.py): each one's layout, its
+        # `data` the stored array's spec. Updates pack what they write; `get` unpacks.
+        self._packed = {path: w.with_data(jax.ShapeDtypeStruct(w.data.shape, w.data.dtype,
+                                                               sharding=w.data.sharding))
+                        for path, w in ((path, v.get_value()) for path, v in self._flat)
+                        if isinstance(w, PackedWeight)}
         # Names and shapes from the checkpoint's own config (KV heads not repeated).
         _, stored = abstract_state(model_cls, checkpoint_config, dtype, placer)
         # A MoE model's expert tensors have no name table yet: its weights are not updated
@@ -97,7 +96,7 @@ class ModelWeights:
     @property
     def device_bytes(self) -> int:
         """What one device holds of the weights (when resident)."""
-        specs = {**self.specs, **self._stored_specs}
+        specs = {**self.specs, **{path: w.data for path, w in self._packed.items()}}
         return sum(int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize
                    for s in specs.values())
 
@@ -264,7 +263,8 @@ class ModelWeights:
         if not self.released:
             return
         for path, variable in self._flat:
-            spec = self._stored_specs.get(path, self.specs[path])
+            packed = self._packed.get(path)
+            spec = self.specs[path] if packed is None else packed.data
             if self._backup is not None:
                 shards = self._backup[path]
                 value = jax.make_array_from_callback(spec.shape, spec.sharding,
@@ -273,8 +273,8 @@ class ModelWeights:
                 zeros = np.zeros(spec.sharding.shard_shape(spec.shape), spec.dtype)
                 value = jax.make_array_from_callback(spec.shape, spec.sharding,
                                                      lambda index: zeros)
-            if path in self._packed:
-                value = self._packed[path].with_data(value)
+            if packed is not None:
+                value = packed.with_data(value)
             variable.set_value(value)
         if self._backup is None:
             self._missing = self._all_slots()

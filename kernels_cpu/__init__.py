@@ -198,7 +198,10 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
 # ---- a matmul over weights packed at load time (packed_matmul.cc) -----------------------------
 
 _MATMUL_SOURCE = Path(__file__).with_name("packed_matmul.cc")
-_MATMUL_TARGET = "jaxrunner_packed_matmul"
+
+
+def _matmul_target(march: str | None) -> str:
+    return "jaxrunner_packed_matmul" + ("" if march is None else "_" + march.replace("-", "_"))
 
 
 @functools.cache
@@ -213,8 +216,7 @@ def load_packed_matmul(march: str | None = None) -> int:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:
         raise KernelBuildError(f"loading {path} failed: {e}") from e
-    target = _MATMUL_TARGET + ("" if march is None else "_" + march.replace("-", "_"))
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxrunnerPackedMatmul),
+    jax.ffi.register_ffi_target(_matmul_target(march), jax.ffi.pycapsule(lib.JaxrunnerPackedMatmul),
                                 platform="cpu")
     return int(lib.JaxrunnerPackedMatmulPanel())
 
@@ -251,8 +253,7 @@ def packed_matmul_cpu(x, w, layer, n: int, *, march: str | None = None):
             or w.shape[1] != -(-n // panel):
         raise ValueError(f"packed_matmul_cpu: x {x.shape} and w {w.shape} do not make [M, {n}] "
                          f"with panels of {panel} columns")
-    target = _MATMUL_TARGET + ("" if march is None else "_" + march.replace("-", "_"))
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(
+    return jax.ffi.ffi_call(_matmul_target(march), jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(
         x, w, jax.numpy.reshape(layer, (1,)).astype(np.int32))
 
 

@@ -49,15 +49,16 @@ def forward_layer_range(model, fb: ForwardBatch, kv_cache: jax.Array, backend: A
     counts = []
     for run, layers in zip(cfg.layer_runs, model.model.layers):
         graphdef, layers_state = nnx.split(layers)
+        layers_state, stacks = hollow(layers_state)  # packed weights stay whole
         run_counts = jnp.zeros((run.num_layers if run.moe else 0, cfg.num_physical_experts),
                                jnp.int32)
 
-        def body(index, carry, graphdef=graphdef, layers_state=layers_state, run=run):
+        def body(index, carry, graphdef=graphdef, layers_state=layers_state, stacks=stacks,
+                 run=run):
             x, flat_cache, run_counts = carry
             i = index - run.start
-            hollowed, stacks = hollow(layers_state)  # packed weights stay whole
             state = filled(jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(
-                p, i, keepdims=False), hollowed), stacks, i)
+                p, i, keepdims=False), layers_state), stacks, i)
             layer = nnx.merge(graphdef, state)
             x, flat_cache, layer_counts = layer(x, cos, sin, flat_cache, index, fb, backend,
                                                 meta, valid, moe_runner)

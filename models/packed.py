@@ -2,9 +2,10 @@
 
 On a CPU the model runner stores every float32 or bfloat16 `Linear` kernel as a `PackedWeight`:
 the [.., K, N] weight as column panels ([L, P, K, panel], `kernels_cpu.pack_weight`), which the
-kernel reads in order and in place. A layer loop must not slice a packed stack (XLA would copy the layer out
-of it each step, the cost the packing removes): `hollow` takes the stacks out of the state a
-loop slices and `filled` puts them back whole, with the loop's layer index, inside its body.
+kernel reads in order and in place. A layer loop must not slice a packed stack (XLA would copy
+the layer out of it each step, the cost the packing removes; the kernel refuses a sliced one):
+`hollow` takes the stacks out of the state a loop slices and `filled` puts them back whole,
+with the loop's layer index, inside its body.
 
 Everything outside the step (weight updates, `get_weights_by_name`, the memory saver) sees the
 plain layout through `shape`, `pack` and `unpacked`.
@@ -72,12 +73,11 @@ class PackedWeight:
 
     def __call__(self, x):
         """x [..., K] (the weight's dtype) @ the weight (its layer `index` for a stack)."""
-        data = self.data if self.data.ndim == 4 else self.data[None]  # a loop sliced it
-        layer = 0 if self.index is None or self.data.ndim == 3 else self.index
-        if x.dtype != data.dtype:  # jnp would promote: XLA's dot on the plain layer, as before
-            return x @ kernels_cpu.unpack_weight(data[layer], self.n)
+        layer = 0 if self.index is None else self.index
+        if x.dtype != self.dtype:  # jnp would promote: XLA's dot on the plain layer, as before
+            return x @ kernels_cpu.unpack_weight(self.data[layer], self.n)
         lead = x.shape[:-1]
-        y = kernels_cpu.packed_matmul_cpu(x.reshape(-1, x.shape[-1]), data,
+        y = kernels_cpu.packed_matmul_cpu(x.reshape(-1, x.shape[-1]), self.data,
                                           jax.numpy.asarray(layer, jax.numpy.int32), self.n)
         return y.reshape(*lead, self.n)
 

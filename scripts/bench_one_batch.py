@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from bench_common import (ModelShapes, emit, faster_rates, floor_seconds, machine_info,
                           measure_matmul_rates, measure_memory_bandwidth, print_grid, print_table)
 from jaxrunner import Engine
+from jaxrunner.config import CPU_MATMULS
 from jaxrunner.forward_mode import ForwardMode
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.schedule_batch import Req, ScheduleBatch
@@ -60,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="tokens per prefill step (the batch's prefill takes several)")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--cpu-matmul", default="auto", choices=("auto", "packed", "xla"),
+    p.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMULS,
                    help="the CPU's dense projections: packed weights (the default) or XLA's dot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--probe-reps", type=int, default=5, help="timed runs per probe (median)")
