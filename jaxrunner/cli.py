@@ -14,8 +14,8 @@ import typing
 import uvicorn
 
 from jaxrunner.config import EngineArgs
-from jaxrunner.distributed import LockstepEngine
-from jaxrunner.engine import Engine
+from jaxrunner.engine.engine import Engine
+from jaxrunner.engine.lockstep import LockstepEngine
 from jaxrunner.server import reasoning, tool_calls
 from jaxrunner.server.app import MAX_PAYLOAD_SIZE, build_app
 

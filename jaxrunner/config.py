@@ -5,10 +5,10 @@ variables of our own.
 """
 
 import dataclasses
-import os
 from dataclasses import dataclass
+import os
 
-from models.quant_config import check_method as check_quantization
+from models.quantization.config import check_method as check_quantization
 
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
 CPU_MATMULS = ("auto", "packed", "xla")
@@ -32,9 +32,9 @@ class EngineArgs:
     dtype: str = "auto"
     # KV cache dtype; "auto" follows `dtype`. "fp8_e4m3" / "fp8_e5m2" store K and V in 8 bits
     # (float8_e4m3fn / float8_e5m2): half bfloat16's memory per token; per-layer k/v scales
-    # from the checkpoint where it has them, else 1.0 (models/kv_scales.py).
+    # from the checkpoint where it has them, else 1.0 (models/quantization/kv_scales.py).
     kv_cache_dtype: str = "auto"
-    # Quantized weights of the decoder's projections (SGLang's name; models/quantization.py):
+    # Quantized weights of the decoder's projections (SGLang's name; models/quantization/linear.py):
     # None; "int8" (weight-only, symmetric per output channel, quantized while loading); "fp8"
     # (float8_e4m3fn weight-only, per output channel on load, or a pre-quantized checkpoint's
     # 128x128 block scales); "w8a8_int8" (int8 weights and per-token dynamic int8 activations:
@@ -44,7 +44,7 @@ class EngineArgs:
     quantization: str | None = None
     tokenizer_path: str | None = None
     skip_tokenizer_init: bool = False
-    # Where the weights come from (SGLang's name; models/load_format.py): "safetensors" (a
+    # Where the weights come from (SGLang's name; models/loading/load_format.py): "safetensors" (a
     # Hugging Face checkpoint), "orbax" (an orbax checkpoint of the model state, written by
     # scripts/convert_checkpoint.py), "dummy" (random weights from config.json alone, made on
     # the devices: for benchmarks), "auto" (safetensors if the directory has them, else orbax).
@@ -86,11 +86,11 @@ class EngineArgs:
     schedule_conservativeness: float = 1.0
     # Build and launch step n+1 before reading step n's tokens back.
     disable_overlap_schedule: bool = False
-    # Split prefill (SGLang's PD multiplexing; jaxrunner/split_prefill.py): while requests are
-    # decoding, a prefill batch runs `split_prefill_layers` decoder layers per step (None: a
-    # quarter of the layers, rounded up), with a decode step of the running requests between
-    # its ranges, so a long prompt stalls decoding for one range rather than the whole model.
-    # On top of chunked prefill: each chunk is split.
+    # Split prefill (SGLang's PD multiplexing; jaxrunner/split_prefill/schedule.py): while requests
+    # are decoding, a prefill batch runs `split_prefill_layers` decoder layers per step (None: a
+    # quarter of the layers, rounded up), with a decode step of the running requests between its
+    # ranges, so a long prompt stalls decoding for one range rather than the whole model. On top of
+    # chunked prefill: each chunk is split.
     enable_split_prefill: bool = False
     split_prefill_layers: int | None = None
 
@@ -152,19 +152,19 @@ class EngineArgs:
     dllm_threshold: float = 0.95
     dllm_steps_per_block: int | None = None
 
-    # Parallelism (jaxrunner/parallel.py): a (dp_size, tp_size) mesh. `tp_size` shards heads and
-    # MLP columns (it must divide num_attention_heads); `dp_size` > 1 is DP attention, each rank
+    # Parallelism (jaxrunner/parallel/mesh.py): a (dp_size, tp_size) mesh. `tp_size` shards heads
+    # and MLP columns (it must divide num_attention_heads); `dp_size` > 1 is DP attention, each rank
     # with its own requests and KV pages.
     tp_size: int = 1
     dp_size: int = 1
-    # Multi-host (jaxrunner/distributed.py): the coordinator's "host:port", the number of
+    # Multi-host (jaxrunner/engine/lockstep.py): the coordinator's "host:port", the number of
     # processes and this one's rank; rank 0 takes the requests, every rank steps in lock-step.
     dist_init_addr: str | None = None
     nnodes: int = 1
     node_rank: int = 0
 
-    # Mixture of experts (models/moe.py, models/moe_parallel.py). `ep_size` splits the expert
-    # slots over devices: 1 (each expert split as a dense MLP is), tp_size (the attention
+    # Mixture of experts (models/layers/moe.py, models/layers/moe_parallel.py). `ep_size` splits the
+    # expert slots over devices: 1 (each expert split as a dense MLP is), tp_size (the attention
     # devices), or dp_size * tp_size (across DP attention ranks).
     ep_size: int = 1
     # Expert slots beyond the logical experts, holding copies of busy ones (EPLB); the slots

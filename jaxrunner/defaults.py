@@ -23,7 +23,7 @@ What follows the CPU's instruction set rather than an argument:
 | `dtype="auto"` | the checkpoint's `torch_dtype`, on every CPU | bfloat16 on an AVX2 CPU without avx512_bf16 ran the batch-64 decode step 1.07x and prefill 1.15x slower than float32, but float32 takes twice the weight memory; not switched |
 """
 
-from jaxrunner.buckets import MIN_DECODE_BATCH, MIN_EXTEND_TOKENS
+from jaxrunner.batch.buckets import MIN_DECODE_BATCH, MIN_EXTEND_TOKENS
 
 _MAX_RUNNING_REQUESTS = {"cpu": 128}
 CPU_MAX_KV_BYTES = 2 << 30

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models.quant_config import QuantConfig, from_hf_config
+from models.quantization.config import QuantConfig, from_hf_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -192,12 +192,12 @@ class ModelConfig:
     # Expert slots the model holds: num_experts plus redundant copies for load balancing (EPLB);
     # set by the engine (models/sharding.py), never by config.json.
     num_physical_experts: int = 0
-    # Quantized decoder projections (models/quantization.py): the checkpoint's
+    # Quantized decoder projections (models/quantization/linear.py): the checkpoint's
     # `quantization_config`, or the engine's `quantization` argument (set by the engine).
     quantization: QuantConfig | None = None
-    # The attention layers hold per-layer k/v scales of an fp8 KV cache (models/kv_scales.py),
-    # read from the checkpoint where it has them, else 1.0; set by the engine, never by
-    # config.json.
+    # The attention layers hold per-layer k/v scales of an fp8 KV cache
+    # (models/quantization/kv_scales.py), read from the checkpoint where it has them, else 1.0; set
+    # by the engine, never by config.json.
     kv_scales: bool = False
     # Block-diffusion LMs (DLLM_ARCHITECTURES): the token a block's undecided positions hold,
     # and the block length the model was trained with (None where the config names none).

@@ -26,15 +26,15 @@ import dataclasses
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
 from flax import nnx
+import jax.numpy as jnp
 
 from jaxrunner.attention import AttentionBackend
-from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers.rope import step_cos_sin
 from models.llama import MLP, Attention, Linear, RMSNorm
-from models.rope import step_cos_sin
-from models.weights import checkpoint_tensor_names
+from models.loading.weights import checkpoint_tensor_names
 
 ALGORITHMS = ("EAGLE", "EAGLE3")
 # Checkpoint tensors the heads do not use: the target's embedding is used instead of a copy,

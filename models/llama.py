@@ -3,10 +3,10 @@ flax nnx.
 
 The three families differ by two switches read from the config: Qwen2 adds biases to the q/k/v
 projections (`attention_bias`), Qwen3 RMS-normalises q and k per head (`qk_norm`). Attribute
-names follow Hugging Face's, so the checkpoint mapping in `models/loader.py` stays a short table.
-A MoE model's layers hold a `SparseMoeBlock` (models/moe.py) as their `mlp`.
-Shapes: T tokens, D hidden, H query heads, K KV heads, Dh head dim, F intermediate, V vocab,
-L layers, P physical expert slots.
+names follow Hugging Face's, so the checkpoint mapping in `models/loading/loader.py` stays a short
+table. A MoE model's layers hold a `SparseMoeBlock` (models/layers/moe.py) as their `mlp`. Shapes: T
+tokens, D hidden, H query heads, K KV heads, Dh head dim, F intermediate, V vocab, L layers, P
+physical expert slots.
 
 The decoder layers are stacked modules whose parameters carry a leading [L] axis, run by
 `jax.lax.scan`: the compiled step holds one layer's program whatever the depth, so compiling a
@@ -19,24 +19,24 @@ depth. The KV cache of every layer is one array that the scans carry as loop sta
 
 import functools
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxrunner.attention import AttentionBackend
-from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.lora.layers import NO_LORA, LoraLayer
 from models.config import LayerRun, ModelConfig
-from models.moe import SparseMoeBlock
-from models.moe_parallel import MoeRunner
-from models.packed import PackedWeight, filled, hollow
-from models.quantization import QuantConfig, quantized_matmul
-from models.rope import apply_rope_cos_sin, step_cos_sin
+from models.layers.moe import SparseMoeBlock
+from models.layers.moe_parallel import MoeRunner
+from models.layers.packed import PackedWeight, filled, hollow
+from models.layers.rope import apply_rope_cos_sin, step_cos_sin
+from models.quantization.linear import QuantConfig, quantized_matmul
 
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel stored [in, out]. With `quant`, kernel is int8 or fp8 and
-    `weight_scale` its float32 scales (models/quantization.py)."""
+    `weight_scale` its float32 scales (models/quantization/linear.py)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs,
                  quant: QuantConfig | None = None):
@@ -52,7 +52,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         kernel = self.kernel.get_value()
-        if isinstance(kernel, PackedWeight):  # a CPU's packed kernel (models/packed.py)
+        if isinstance(kernel, PackedWeight):  # a CPU's packed kernel (models/layers/packed.py)
             y = kernel(x)
         elif self.quant is None:
             y = x @ kernel
@@ -63,7 +63,8 @@ class Linear(nnx.Module):
 
 def pack_linears(graphdef, state, panel: int):
     """(graphdef, state) with every float32 or bfloat16, unquantized `Linear` kernel a
-    `PackedWeight` of `panel` columns (models/packed.py; the model runner does this on a CPU),
+    `PackedWeight` of `panel` columns (models/layers/packed.py; the model runner does this on a
+    CPU),
     and how many it packed."""
     model = nnx.merge(graphdef, state)
     packed = 0
@@ -108,7 +109,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        # An fp8 KV cache's scales of this layer (models/kv_scales.py), [L] once stacked.
+        # An fp8 KV cache's scales of this layer (models/quantization/kv_scales.py), [L] once
+        # stacked.
         if cfg.kv_scales:
             self.k_scale = nnx.Param(jnp.ones((), jnp.float32))
             self.v_scale = nnx.Param(jnp.ones((), jnp.float32))
@@ -224,8 +226,8 @@ class LlamaForCausalLM(nnx.Module):
         reshape); its loop data are each layer's parameters and index. Layer l writes its new
         K/V into, and attends over, the rows of its own pages (`AttentionBackend.page_offset`),
         so the cache is updated in place through every loop and never copied (the caller
-        donates it; `tests/test_engine.py` checks the compiled HLO). `moe_runner` says how the
-        experts run (grouped matmul, expert parallelism).
+        donates it; `tests/engine/test_engine.py` checks the compiled HLO). `moe_runner` says how
+        the experts run (grouped matmul, expert parallelism).
         """
         meta = backend.init_forward_metadata(fb)
         cos, sin = step_cos_sin(self.config.rope, self.config.head_dim, fb.positions)

@@ -7,8 +7,8 @@ and the LM head are vocab-parallel. Norms are replicated. GSPMD derives every ac
 sharding from these; attention runs per shard under `shard_map` (jaxrunner/attention/sharded.py).
 
 MoE experts [P, in, out] per layer: with expert parallelism their slot axis is split over the
-expert axes (models/moe_parallel.py); without, each expert is split as a dense MLP is (gate/up
-by output features, down by input features). The router is replicated.
+expert axes (models/layers/moe_parallel.py); without, each expert is split as a dense MLP is
+(gate/up by output features, down by input features). The router is replicated.
 
 When `tp_size` exceeds the KV head count, k_proj/v_proj output heads are repeated at load time so
 the model holds `tp_size` KV heads, one per shard: q head h of the repeated model reads KV head
@@ -19,15 +19,15 @@ import dataclasses
 import re
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
-from jaxrunner.parallel import TENSOR_AXIS, check_tp_size, effective_kv_heads
+from jaxrunner.parallel.mesh import TENSOR_AXIS, check_tp_size, effective_kv_heads
 from models.config import ModelConfig
-from models.loader import ParamSource, is_stacked, read_full
-from models.moe_checkpoint import is_expert_param
-from models.moe_quant import SCALE_SUFFIX
+from models.loading.loader import ParamSource, is_stacked, read_full
+from models.loading.moe_checkpoint import is_expert_param
+from models.quantization.moe import SCALE_SUFFIX
 
 T = TENSOR_AXIS
 # (nnx parameter path regex, PartitionSpec); the first match wins, no match means replicated.
@@ -106,7 +106,7 @@ def repeat_kv_heads(array: np.ndarray, num_kv_heads: int, repeats: int) -> np.nd
 
 @dataclasses.dataclass(frozen=True)
 class ShardedPlacer:
-    """`place(path, array, dtype) -> jax.Array` for `models.loader.load_model`.
+    """`place(path, array, dtype) -> jax.Array` for `models.loading.loader.load_model`.
 
     Each device receives only its slice (`jax.make_array_from_callback`), read a layer at a time,
     so a host holds at most one device's part of one parameter; in a multi-host run each process

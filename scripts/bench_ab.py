@@ -20,17 +20,18 @@ gets the KV cache its arguments ask for (give `max_total_tokens` to keep them sm
 
 import argparse
 import json
+from pathlib import Path
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, emit, machine_info, print_grid, print_table  # noqa: E402
 from bench_offline_throughput import random_workload  # noqa: E402
+
 from jaxrunner import Engine  # noqa: E402
-from models.random_checkpoint import cached_checkpoint  # noqa: E402
+from models.testing.random_checkpoint import cached_checkpoint  # noqa: E402
 
 
 def parse_args(argv=None):

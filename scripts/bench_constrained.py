@@ -8,26 +8,25 @@ run on one engine; prints JSON and a table.
 Both runs produce exactly `--output-len` tokens per request (ignore_eos; the grammars need more
 characters than that many tokens can hold, so none completes sooner), so what differs is the
 per-step cost: the bitmask filled on the host, uploaded, and applied in the
-sampler, and the step that waits for it instead of overlapping (jaxrunner/scheduler.py). Each run
-is repeated `--reps` times after a warm-up and the median kept.
+sampler, and the step that waits for it instead of overlapping (jaxrunner/scheduler/scheduler.py).
+Each run is repeated `--reps` times after a warm-up and the median kept.
 """
 
 import argparse
 import json
+from pathlib import Path
 import statistics
 import sys
 import time
-from pathlib import Path
-
-import numpy as np
 
 from bench_common import emit, machine_info, print_table
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from jaxrunner import Engine  # noqa: E402
-from models.random_checkpoint import cached_checkpoint  # noqa: E402
+from models.testing.random_checkpoint import cached_checkpoint  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -14,20 +14,20 @@ run, start-up (Engine() from call to return, compilation cache empty), and compi
 (must be 0: the engine runs with disallow_compile_after_warmup).
 
 Weights: `load_format="dummy"` (random weights made on the device from config.json alone: the
-shapes of scripts/model_configs.py, or of a models/random_checkpoint.py preset). Everything
+shapes of scripts/model_configs.py, or of a models/testing/random_checkpoint.py preset). Everything
 printed goes to `--out-dir` too (result.json, table.txt).
 """
 
 import argparse
+from contextlib import redirect_stdout
 import dataclasses
 import io
 import json
+from pathlib import Path
 import shutil
 import sys
 import tempfile
 import time
-from contextlib import redirect_stdout
-from pathlib import Path
 
 import numpy as np
 
@@ -41,10 +41,11 @@ from bench_common import (  # noqa: E402
     measure_memory_bandwidth,
     print_grid,
 )
-from jaxrunner.config import EngineArgs  # noqa: E402
 from model_configs import CONFIGS, write_config  # noqa: E402
+
+from jaxrunner.config import EngineArgs  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.random_checkpoint import PRESETS, hf_config  # noqa: E402
+from models.testing.random_checkpoint import PRESETS, hf_config  # noqa: E402
 
 FIRST_ORDINARY_ID = 16  # random prompts avoid the low ids (special tokens in real vocabularies)
 GOALS = {"decode_step_over_floor_at_64": 1.5}  # issue 18: batch 64 within 1.5x of the HBM floor

@@ -1,5 +1,5 @@
 """Block-diffusion decoding (DLLM_EXTEND, LowConfidence) throughput: committed tokens per second
-of the engine against the no-KV-cache reference (tests/dllm_reference.py, numpy float32, one
+of the engine against the no-KV-cache reference (tests/dllm/dllm_reference.py, numpy float32, one
 request at a time) and against autoregressive decoding of the same weights served as Qwen3, at
 each batch size, in one run; prints JSON and a table.
 
@@ -17,20 +17,20 @@ steps per block of a request, the store pass included.
 
 import argparse
 import json
+from pathlib import Path
 import shutil
 import sys
 import time
-from pathlib import Path
-
-import numpy as np
 
 from bench_common import emit, machine_info, print_grid
+import numpy as np
+
 from jaxrunner import Engine
-from models.random_checkpoint import cached_checkpoint
+from models.testing.random_checkpoint import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.dllm_reference import Qwen3Reference, generate  # noqa: E402
+from tests.dllm.dllm_reference import Qwen3Reference, generate  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -14,22 +14,22 @@ reps is reported, with every time in the JSON):
   `--rank`, on every projection), all resident (`max_loras_per_batch` = the adapter count).
 The swap cost: copying one adapter into a device slot (host -> device, then the in-place update
 of the pool), the median of `--swaps` swaps, waited for. Adapters are random, written by PEFT
-(models/random_lora.py: needs torch and peft).
+(models/testing/random_lora.py: needs torch and peft).
 """
 
 import argparse
+from pathlib import Path
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
+from bench_common import emit, machine_info, print_grid, print_table
 import jax
 import numpy as np
 
-from bench_common import emit, machine_info, print_grid, print_table
 from jaxrunner import Engine
-from models.random_checkpoint import cached_checkpoint
-from models.random_lora import make_lora_adapter
+from models.testing.random_checkpoint import cached_checkpoint
+from models.testing.random_lora import make_lora_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

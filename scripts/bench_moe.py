@@ -55,20 +55,35 @@ if ARGS is not None and ARGS.devices > 1:  # before jax is imported
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (ROOT, emit, machine_info, matmul_seconds, print_grid,  # noqa: E402
-                          print_table, time_median)
-from jaxrunner.eplb import balancedness, rebalance  # noqa: E402
-from jaxrunner.parallel import TENSOR_AXIS, make_mesh  # noqa: E402
+from bench_common import (  # noqa: E402
+    ROOT,
+    emit,
+    machine_info,
+    matmul_seconds,
+    print_grid,
+    print_table,
+    time_median,
+)
+
+from jaxrunner.eplb.eplb_manager import balancedness, rebalance  # noqa: E402
+from jaxrunner.parallel.mesh import TENSOR_AXIS, make_mesh  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.moe import (GROUPED_MATMULS, Routing, expert_mlp, moe_reference,  # noqa: E402
-                        replica_tables, route, trivial_placement)
-from models.moe_parallel import DISPATCHES, MoeRunner  # noqa: E402
-from models.random_checkpoint import PRESETS, cached_checkpoint  # noqa: E402
+from models.layers.moe import (  # noqa: E402
+    GROUPED_MATMULS,
+    Routing,
+    expert_mlp,
+    moe_reference,
+    replica_tables,
+    route,
+    trivial_placement,
+)
+from models.layers.moe_parallel import DISPATCHES, MoeRunner  # noqa: E402
+from models.testing.random_checkpoint import PRESETS, cached_checkpoint  # noqa: E402
 
 
 def layer_shapes(args) -> dict:
@@ -145,7 +160,7 @@ def skewed_choices(rng, num_tokens, num_experts, top_k, popularity) -> np.ndarra
 
 
 def routed_rank_loads(choices, placement, num_experts, ep) -> np.ndarray:
-    """Pairs per EP rank [Lm, ep] when choices [Lm, N, k] are routed as models.moe.route does."""
+    """Pairs per EP rank [Lm, ep] when choices [Lm, N, k] are routed as models.layers.moe.route does."""
     replicas, num_replicas = replica_tables(placement, num_experts)
     token = np.arange(choices.shape[1])[:, None]
     loads = []

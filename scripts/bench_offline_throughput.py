@@ -36,18 +36,25 @@ defaults for this machine (jaxrunner/defaults.py): what `Engine(model_path=...)`
 
 import argparse
 import dataclasses
-import time
 from pathlib import Path
+import time
 
+from bench_common import (
+    ModelShapes,
+    emit,
+    faster_rates,
+    floor_seconds,
+    machine_info,
+    measure_matmul_rates,
+    print_table,
+)
+from model_configs import CONFIGS, write_config
 import numpy as np
 from tqdm.auto import tqdm
 
-from bench_common import (ModelShapes, emit, faster_rates, floor_seconds, machine_info,
-                          measure_matmul_rates, print_table)
-from model_configs import CONFIGS, write_config
 from jaxrunner import Engine
 from models.config import ModelConfig
-from models.random_checkpoint import PAD_ID, cached_checkpoint
+from models.testing.random_checkpoint import PAD_ID, cached_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 # Skip the low ids, which the built-in tokenizers reserve for special tokens.
@@ -89,7 +96,7 @@ def parse_args(argv=None):
                    help="decode rows ride along with prefill chunks (MIXED steps)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices")
     p.add_argument("--dp-size", type=int, default=1,
-                   help="DP attention ranks (jaxrunner/dp_scheduler.py; each tp-size devices, "
+                   help="DP attention ranks (jaxrunner/dp_attention/scheduler.py; each tp-size devices, "
                         "its own KV pages; overlapped scheduling is off under DP)")
     p.add_argument("--compilation-cache-dir", default=str(ROOT / ".jax_cache"))
     p.add_argument("--baseline", choices=("none", "hf"), default="none",

@@ -23,23 +23,32 @@ Batch sizes run smallest first; one whose predicted time would pass `--time-budg
 """
 
 import argparse
+from pathlib import Path
 import statistics
 import time
-from pathlib import Path
 
+from bench_common import (
+    ModelShapes,
+    emit,
+    faster_rates,
+    floor_seconds,
+    machine_info,
+    measure_matmul_rates,
+    measure_memory_bandwidth,
+    print_grid,
+    print_table,
+)
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from bench_common import (ModelShapes, emit, faster_rates, floor_seconds, machine_info,
-                          measure_matmul_rates, measure_memory_bandwidth, print_grid, print_table)
 from jaxrunner import Engine
+from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.config import CPU_MATMULS
-from jaxrunner.forward_mode import ForwardMode
-from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.schedule_batch import Req, ScheduleBatch
+from jaxrunner.sampling.params import SamplingParams
 from models.config import ModelConfig
-from models.random_checkpoint import cached_checkpoint
+from models.testing.random_checkpoint import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 FIRST_ORDINARY_ID = 8  # below: the built-in tokenizers' special tokens

@@ -18,19 +18,19 @@ For each setting one engine (bfloat16 activations) reports:
 """
 
 import argparse
+from pathlib import Path
 import sys
 import time
-from pathlib import Path
-
-import numpy as np
 
 from bench_common import emit, machine_info, print_grid
+import numpy as np
+
 from jaxrunner import Engine
-from models.random_checkpoint import cached_checkpoint
+from models.testing.random_checkpoint import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.test_hf_parity import _prefill_logits  # noqa: E402  (the model worker's logits)
+from tests.models.test_hf_parity import _prefill_logits  # noqa: E402  (the model worker's logits)
 
 # name -> (quantization, kv_cache_dtype)
 SETTINGS = {

@@ -9,11 +9,11 @@ For each algorithm one engine serves every (workload, batch size): `batch` reque
 greedy, `--output-len` tokens each, timed after a warm-up. Workloads:
 - `repeat`: prompts the model repeats: the cycle its own long greedy generation ends in (the
   default model's next token is a function of the current one; see `small-repeat` in
-  models/random_checkpoint.py), what n-gram lookup is for (code edits, quoting, retrieval);
+  models/testing/random_checkpoint.py), what n-gram lookup is for (code edits, quoting, retrieval);
 - `random`: random prompts.
 Drafts: NGRAM needs none; STANDALONE uses `--draft-model-path` (default: the built-in
 `small-draft`, a 2-layer model of the same vocabulary); EAGLE and EAGLE3 random heads in their
-checkpoint formats (models/random_checkpoint.py). `X-tree` is algorithm X drafting trees
+checkpoint formats (models/testing/random_checkpoint.py). `X-tree` is algorithm X drafting trees
 (`--tree-topk` branches per step, NGRAM's continuations, `--tree-draft-tokens` nodes). Random
 drafts are rarely right, so `--simulate-accept p` also runs each model-drafted algorithm with
 the acceptance forced (each draft kept with probability p, SGLang's simulated acceptance): the
@@ -24,14 +24,14 @@ completion tokens / verify rounds.
 
 import argparse
 import json
-import time
 from pathlib import Path
-
-import numpy as np
+import time
 
 from bench_common import emit, machine_info, print_grid
+import numpy as np
+
 from jaxrunner import Engine
-from models.random_checkpoint import cached_checkpoint, make_eagle_checkpoint
+from models.testing.random_checkpoint import cached_checkpoint, make_eagle_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ("none", "NGRAM", "NGRAM-tree", "STANDALONE", "STANDALONE-tree", "EAGLE",

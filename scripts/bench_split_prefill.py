@@ -18,15 +18,15 @@ token (TTFT: its arrival to its first token).
 """
 
 import argparse
+from pathlib import Path
 import statistics
 import time
-from pathlib import Path
-
-import numpy as np
 
 from bench_common import emit, machine_info, print_grid
+import numpy as np
+
 from jaxrunner import Engine
-from models.random_checkpoint import cached_checkpoint
+from models.testing.random_checkpoint import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "chunked", "split")

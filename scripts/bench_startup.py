@@ -18,11 +18,11 @@ this machine's backend with the same buckets.
 import argparse
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,7 +35,7 @@ def child(spec: dict) -> dict:
     t0 = time.perf_counter()
     import jax.monitoring  # noqa: PLC0415
 
-    from jaxrunner.compile_guard import COMPILE_EVENT  # noqa: PLC0415
+    from jaxrunner.runner.compile_guard import COMPILE_EVENT  # noqa: PLC0415
     counts = {"compiles": 0, "hits": 0}
 
     def on_duration(event, duration, **kw):
@@ -53,7 +53,7 @@ def child(spec: dict) -> dict:
                   show_progress=False, skip_tokenizer_init=True, **spec.get("engine_kwargs", {}))
     t1 = time.perf_counter()
     if spec.get("compile_only"):
-        from jaxrunner.model_runner import compile_only  # noqa: PLC0415
+        from jaxrunner.runner.model_runner import compile_only  # noqa: PLC0415
         runner = compile_only(EngineArgs(**kwargs), ModelConfig.from_pretrained(spec["model_path"]))
         args, buckets = runner.args, runner.buckets
     else:
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["small", "small-32l"],
-                   help="random-checkpoint presets (models/random_checkpoint.py)")
+                   help="random-checkpoint presets (models/testing/random_checkpoint.py)")
     p.add_argument("--skip-8b", action="store_true", help="skip the 8B-shaped compile-only run")
     p.add_argument("--dtype", default="float32", help="dtype of the preset models' engines")
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -94,7 +94,8 @@ def main(argv=None) -> dict:
         return {}
 
     from bench_common import emit, machine_info, print_grid  # noqa: PLC0415
-    from models.random_checkpoint import cached_checkpoint  # noqa: PLC0415
+
+    from models.testing.random_checkpoint import cached_checkpoint  # noqa: PLC0415
 
     source = Path(args.source_dir).resolve()
     engine_kwargs = {"dtype": args.dtype}

@@ -1,5 +1,5 @@
 """Write an orbax checkpoint of the model state from a Hugging Face checkpoint, for
-`load_format="orbax"` (models/orbax_checkpoint.py describes the directory).
+`load_format="orbax"` (models/loading/orbax_checkpoint.py describes the directory).
 
     python scripts/convert_checkpoint.py --model-path HF_DIR --out OUT_DIR [--dtype auto]
     # then: Engine(model_path=OUT_DIR)  (load_format "auto" finds the orbax checkpoint)
@@ -9,12 +9,12 @@ orbax checkpoint is then added beside the safetensors, and load_format="orbax" p
 """
 
 import argparse
-import sys
 from pathlib import Path
+import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 
-from models.orbax_checkpoint import convert  # noqa: E402
+from models.loading.orbax_checkpoint import convert  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@
 # OUT_DIR (default: $OUT, else ./device_check_out) receives everything printed: one .txt per step,
 # the benchmarks' JSON, and summary.txt. --dry-run needs no GPU: it checks the Python, the imports
 # (the engine without fastapi/uvicorn/pydantic), the tests' collection and every step's arguments,
-# and runs each script's dry path; the test suite runs it (tests/test_device_check.py).
+# and runs each script's dry path; the test suite runs it (tests/scripts/test_device_check.py).
 # Exit status: 0 when every step passed, else the first failing step's.
 set -uo pipefail
 cd "$(dirname "$0")/.."

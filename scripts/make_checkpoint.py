@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 
-from models.random_checkpoint import PRESETS, make_checkpoint  # noqa: E402
+from models.testing.random_checkpoint import PRESETS, make_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,12 +22,12 @@ kernels instead (use the vendor's profiler there).
 
 import argparse
 import collections
+from pathlib import Path
 import re
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 
@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, emit, machine_info, print_grid, print_table  # noqa: E402
 from bench_one_batch import BatchRunner, make_reqs  # noqa: E402
+
 from jaxrunner import Engine  # noqa: E402
-from jaxrunner.forward_mode import ForwardMode  # noqa: E402
+from jaxrunner.batch.forward_mode import ForwardMode  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.random_checkpoint import cached_checkpoint  # noqa: E402
+from models.testing.random_checkpoint import cached_checkpoint  # noqa: E402
 
 KINDS = ("matmul", "attention", "layer weights sliced", "loop", "elementwise / other")
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from models import orbax_checkpoint
-from models.random_checkpoint import cached_checkpoint
+from models.loading import orbax_checkpoint
+from models.testing.random_checkpoint import cached_checkpoint
 
 # Engine settings the tests share, so that engines of one model reuse compiled executables
 # through the persistent compilation cache.

@@ -5,13 +5,13 @@ import logging
 
 import jax
 
-import kernels_cpu
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.attention.cpu import CpuAttentionBackend
 from jaxrunner.attention.native import NativeAttentionBackend
 from jaxrunner.attention.pallas import PallasAttentionBackend
 from jaxrunner.attention.sharded import ShardedAttentionBackend, local_config
-from jaxrunner.parallel import TENSOR_AXIS
+from jaxrunner.parallel.mesh import TENSOR_AXIS
+import kernels_cpu
 
 logger = logging.getLogger(__name__)
 

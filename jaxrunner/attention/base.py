@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_batch import ForwardBatch
 from kernels_pallas import update_kv_cache
 from kernels_pallas.ragged_paged_attention import FP8_DTYPES
 
@@ -62,10 +62,11 @@ class AttentionBackend(abc.ABC):
 
     def forward_scaled(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch, metadata,
                        k_scale: jax.Array, v_scale: jax.Array):
-        """`forward` with the layer's KV cache scales (float32 scalars; models/kv_scales.py).
-        The cache holds k / k_scale and v / v_scale; q * k_scale scores the stored keys as the
-        real ones, and the output times v_scale is the real values' weighted sum. The scales
-        never reach a kernel, and being layer data (scanned with the weights) no value of
+        """`forward` with the layer's KV cache scales (float32 scalars;
+        models/quantization/kv_scales.py). The cache holds k / k_scale and v / v_scale; q * k_scale
+        scores the stored keys as the real ones, and the output times v_scale is the real values'
+        weighted sum. The scales never reach a kernel, and being layer data (scanned with the
+        weights) no value of
         theirs recompiles anything."""
         f32 = jnp.float32
         out, kv_cache = self.forward(q.astype(f32) * k_scale, k.astype(f32) / k_scale,

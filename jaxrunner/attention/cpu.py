@@ -6,10 +6,10 @@ decode layer at batch 64 and 512 cached tokens takes 1.6 ms against native's 5.5
 prefill layer 5.7 ms against about 20 ms.
 """
 
-import kernels_cpu
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.attention.pallas import RaggedMetadata, ragged_metadata
-from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_batch import ForwardBatch
+import kernels_cpu
 
 
 class CpuAttentionBackend(AttentionBackend):

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
-from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_batch import ForwardBatch
 from kernels_pallas.ragged_paged_attention.tree_mask import tree_visible, word_columns
 
 # (query tokens per block, KV tokens per loop step) by mode, measured on a 2-core CPU (small

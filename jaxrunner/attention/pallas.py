@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
-from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_batch import ForwardBatch
 from kernels_pallas import ragged_paged_attention
 from kernels_pallas.ragged_paged_attention import check_supported
 

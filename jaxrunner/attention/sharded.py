@@ -13,8 +13,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
-from jaxrunner.forward_batch import ForwardBatch
-from jaxrunner.parallel import TENSOR_AXIS
+from jaxrunner.batch.forward_batch import ForwardBatch
+from jaxrunner.parallel.mesh import TENSOR_AXIS
 
 _HEADS = P(None, TENSOR_AXIS, None)             # q/k/v/out [T, heads, Dh]
 _KV_CACHE = P(None, None, TENSOR_AXIS, None)    # [num_pages, page_size, 2 * K, Dh]

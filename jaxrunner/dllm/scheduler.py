@@ -20,17 +20,17 @@ and max_new_tokens, rounded up to whole blocks), so a running request never wait
 and nothing is retracted. On release the KV of whole blocks goes to the prefix cache.
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+import math
 
 import numpy as np
 
+from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.dllm.algorithm import DllmInput
-from jaxrunner.forward_mode import ForwardMode
-from jaxrunner.radix_cache import RadixCache
-from jaxrunner.schedule_batch import Req, ScheduleBatch
-from jaxrunner.schedule_policy import order_waiting
+from jaxrunner.mem_cache.radix_cache import RadixCache
+from jaxrunner.scheduler.policy import order_waiting
 
 
 @dataclass

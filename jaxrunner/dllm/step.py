@@ -8,12 +8,12 @@ the final block's KV once the block is decided and has run once more (the schedu
 pass), which is what the next block reads.
 """
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.dllm.algorithm import low_confidence
-from jaxrunner.forward_batch import ForwardBatch
 
 
 def block_bound(fb: ForwardBatch, block_size: int) -> jax.Array:

@@ -16,15 +16,22 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from jaxrunner.config import EngineArgs
-from jaxrunner.lora.adapter import (LORA_MODULES, LoraAdapter, model_lora_modules, module_shapes,
-                                    parse_lora_paths, read_config, target_modules_of)
+from jaxrunner.lora.adapter import (
+    LORA_MODULES,
+    LoraAdapter,
+    model_lora_modules,
+    module_shapes,
+    parse_lora_paths,
+    read_config,
+    target_modules_of,
+)
 from jaxrunner.lora.layers import LoraBatch
-from jaxrunner.parallel import TENSOR_AXIS
+from jaxrunner.parallel.mesh import TENSOR_AXIS
 from models.config import ModelConfig
 from models.sharding import repeat_kv_heads
 

@@ -6,7 +6,7 @@ several prompts, or `n` samples) through a thread-safe inbox and read `Delta`s f
 asyncio queue. The loop hands out the deltas of a whole step in one `call_soon_threadsafe`, so it
 never waits for a slow client; with nothing to run, it blocks on the inbox instead of spinning.
 
-Engine calls that change its memory or weights (`call`, jaxrunner/engine_lifecycle.py) run on
+Engine calls that change its memory or weights (`call`, jaxrunner/engine/lifecycle.py) run on
 this thread once every request in the engine has finished (or, when asked, been aborted); the
 requests in flight keep streaming meanwhile, and requests that arrive meanwhile wait and are
 admitted right after the call.
@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 
-from jaxrunner.engine_lifecycle import EngineNotReadyError
+from jaxrunner.engine.lifecycle import EngineNotReadyError
 from jaxrunner.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@
 The answer is SGLang's: `{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
 "completion_tokens", "cached_tokens", "finish_reason", ["output_token_logprobs",
 "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"], "e2e_latency",
-"weight_version"}}`, a list of them for a batch (or for `n` > 1). Streamed chunks carry the text and output ids so far (cumulative, SGLang's default)
-and, for a batch, the `index` of the request.
+"weight_version"}}`, a list of them for a batch (or for `n` > 1). Streamed chunks carry the text and
+output ids so far (cumulative, SGLang's default) and, for a batch, the `index` of the request.
 """
 
 import time
@@ -15,7 +15,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from jaxrunner.input_embeds import PLACEHOLDER_ID
+from jaxrunner.batch.input_embeds import PLACEHOLDER_ID
 from jaxrunner.server.detokenizer import IncrementalDetokenizer
 from jaxrunner.server.engine_loop import EngineError, RequestSpec
 from jaxrunner.server.protocol import APIError, GenerateRequest

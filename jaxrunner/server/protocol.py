@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxrunner.grammar import JSON_OBJECT_SCHEMA
+from jaxrunner.sampling.grammar import JSON_OBJECT_SCHEMA
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 

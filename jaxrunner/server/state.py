@@ -10,7 +10,7 @@ import time
 
 from starlette.requests import Request
 
-from jaxrunner.engine_lifecycle import EngineNotReadyError
+from jaxrunner.engine.lifecycle import EngineNotReadyError
 from jaxrunner.server.detokenizer import decode, final_text
 from jaxrunner.server.engine_loop import Delta, EngineError, EngineLoop, RequestGroup, RequestSpec
 from jaxrunner.server.metrics import ServerMetrics

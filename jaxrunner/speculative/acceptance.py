@@ -17,9 +17,9 @@ position for the acceptance draws and another for the last token's draw.
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.sampler import filter_logits, first_argmax
-from jaxrunner.sampling_batch import SamplingBatch
-from jaxrunner.sampling_params import GREEDY_TEMPERATURE
+from jaxrunner.sampling.batch import SamplingBatch
+from jaxrunner.sampling.params import GREEDY_TEMPERATURE
+from jaxrunner.sampling.sampler import filter_logits, first_argmax
 
 
 def leading_true(mask: jax.Array) -> jax.Array:

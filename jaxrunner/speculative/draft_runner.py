@@ -13,26 +13,41 @@ tokens); a tree drafter its tree step (TARGET_VERIFY-shaped) instead of DECODE, 
 import dataclasses
 from functools import partial
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxrunner.attention import AttentionConfig, create_attention_backend, resolve_backend_name
-from jaxrunner.buckets import (Bucket, decode_buckets, extend_buckets, pick_bucket,
-                               executable_mode, verify_buckets)
-from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
-from jaxrunner.kv_cache import TokenToKVPool, kv_bytes_per_token
-from jaxrunner.model_runner import ForwardModeNotImplemented, ModelRunner, _forward_step
+from jaxrunner.batch.buckets import (
+    Bucket,
+    decode_buckets,
+    executable_mode,
+    extend_buckets,
+    pick_bucket,
+    verify_buckets,
+)
+from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
+from jaxrunner.mem_cache.kv_cache import TokenToKVPool, kv_bytes_per_token
+from jaxrunner.runner.model_runner import ForwardModeNotImplemented, ModelRunner, _forward_step
 from jaxrunner.speculative.eagle_tree import eagle_tree_draft_step
-from jaxrunner.speculative.spec_info import (DraftDecodeInput, DraftExtendInput,
-                                             DraftPrefillInput, TreeCatchupInput, TreeDraftInput)
-from jaxrunner.speculative.steps import (DraftState, draft_decode_step, draft_extend_step,
-                                         draft_prefill_step)
+from jaxrunner.speculative.spec_info import (
+    DraftDecodeInput,
+    DraftExtendInput,
+    DraftPrefillInput,
+    TreeCatchupInput,
+    TreeDraftInput,
+)
+from jaxrunner.speculative.steps import (
+    DraftState,
+    draft_decode_step,
+    draft_extend_step,
+    draft_prefill_step,
+)
 from jaxrunner.speculative.tree_steps import tree_catchup_step, tree_draft_step
 from models.eagle import HEAD_CLASSES, IGNORED_TENSORS, DraftHeadConfig
-from models.loader import load_model
-from models.moe_parallel import MoeRunner
+from models.layers.moe_parallel import MoeRunner
+from models.loading.loader import load_model
 from models.registry import model_class
 from models.sharding import ShardedPlacer, sharded_model_config
 

@@ -19,11 +19,11 @@ lets a node see ancestors in earlier slots. The head is one layer; the window is
 
 import dataclasses
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxrunner.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.speculative.steps import DraftState, head_logits
 from jaxrunner.speculative.tree import ancestry, expand, select
 from kernels_pallas import pack_tree_mask

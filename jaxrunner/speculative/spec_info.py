@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxrunner.sampling_batch import SamplingBatch
+from jaxrunner.sampling.batch import SamplingBatch
 
 
 @jax.tree_util.register_dataclass

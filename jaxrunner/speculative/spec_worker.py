@@ -31,20 +31,25 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxrunner.buckets import Bucket
-from jaxrunner.compile_guard import CompileMonitor
+from jaxrunner.batch.buckets import Bucket
+from jaxrunner.batch.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
+from jaxrunner.batch.schedule_batch import ModelWorkerBatch
 from jaxrunner.config import EngineArgs
-from jaxrunner.forward_batch import ForwardBatch
-from jaxrunner.forward_mode import CaptureHiddenMode, ForwardMode
-from jaxrunner.kv_cache import kv_cache_dtype
-from jaxrunner.model_runner import SpeculativePlan
-from jaxrunner.model_worker import GenerationBatchResult, ModelWorker
-from jaxrunner.schedule_batch import ModelWorkerBatch
+from jaxrunner.mem_cache.kv_cache import kv_cache_dtype
+from jaxrunner.runner.compile_guard import CompileMonitor
+from jaxrunner.runner.model_runner import SpeculativePlan
 from jaxrunner.speculative.draft_runner import HEADS, DraftRunner, draft_kv_bytes_per_token
 from jaxrunner.speculative.ngram import NgramProposer
-from jaxrunner.speculative.spec_info import (DraftDecodeInput, DraftExtendInput,
-                                             DraftPrefillInput, TreeCatchupInput,
-                                             TreeDraftInput, VerifyInput)
+from jaxrunner.speculative.spec_info import (
+    DraftDecodeInput,
+    DraftExtendInput,
+    DraftPrefillInput,
+    TreeCatchupInput,
+    TreeDraftInput,
+    VerifyInput,
+)
+from jaxrunner.worker.model_worker import GenerationBatchResult, ModelWorker
 from models.config import ModelConfig
 from models.eagle import DraftHeadConfig
 

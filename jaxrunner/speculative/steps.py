@@ -11,12 +11,12 @@ straight from `tokens`; nothing goes back to the host until the round's accepted
 import dataclasses
 from dataclasses import dataclass
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxrunner.forward_batch import ForwardBatch
-from jaxrunner.sampler import first_argmax
+from jaxrunner.batch.forward_batch import ForwardBatch
+from jaxrunner.sampling.sampler import first_argmax
 from jaxrunner.speculative.acceptance import accept_drafts
 
 

@@ -19,7 +19,7 @@ after the prefix (`compact_path_kv`), so the scheduler's accounting is the chain
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.sampler import first_argmax
+from jaxrunner.sampling.sampler import first_argmax
 from kernels_pallas import pack_tree_mask
 
 

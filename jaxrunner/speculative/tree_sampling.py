@@ -18,9 +18,9 @@ fold 1.
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.sampler import first_argmax
-from jaxrunner.sampling_batch import SamplingBatch
-from jaxrunner.sampling_params import GREEDY_TEMPERATURE
+from jaxrunner.sampling.batch import SamplingBatch
+from jaxrunner.sampling.params import GREEDY_TEMPERATURE
+from jaxrunner.sampling.sampler import first_argmax
 from jaxrunner.speculative.acceptance import request_keys, target_log_probs
 from jaxrunner.speculative.tree import path_outputs
 

@@ -12,16 +12,21 @@ keeps every pass one fixed-shape program over KV slots the request already owns.
 
 import dataclasses
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxrunner.forward_batch import ForwardBatch
-from jaxrunner.memory_pool import DUMMY_PAGE
-from jaxrunner.sampling_params import GREEDY_TEMPERATURE
+from jaxrunner.batch.forward_batch import ForwardBatch
+from jaxrunner.mem_cache.memory_pool import DUMMY_PAGE
+from jaxrunner.sampling.params import GREEDY_TEMPERATURE
 from jaxrunner.speculative.steps import DraftState, VerifyOutput, captured_hidden
-from jaxrunner.speculative.tree import (accept_tree_greedy, compact_path_kv, expand, select,
-                                        tree_attention_inputs)
+from jaxrunner.speculative.tree import (
+    accept_tree_greedy,
+    compact_path_kv,
+    expand,
+    select,
+    tree_attention_inputs,
+)
 from jaxrunner.speculative.tree_sampling import accept_tree_sampled
 
 

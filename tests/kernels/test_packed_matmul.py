@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu
-from models.packed import PackedWeight
+from models.layers.packed import PackedWeight
 
 # (rows M, depth K, columns N, layers L)
 SHAPES = [

@@ -11,14 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels_cpu
 from jaxrunner.attention import AttentionConfig, NativeAttentionBackend
-from jaxrunner.forward_batch import ForwardBatch
-from kernels_pallas import (pack_tree_mask, ragged_paged_attention_gpu,
-                            ragged_paged_attention_reference, ragged_paged_attention_tpu)
+from jaxrunner.batch.forward_batch import ForwardBatch
+import kernels_cpu
+from kernels_pallas import (
+    pack_tree_mask,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_reference,
+    ragged_paged_attention_tpu,
+)
+from tests.attention.test_native_attention import dense_attention, make_batch
 from tests.kernels.ragged_cases import Case, make_inputs, tolerance
 from tests.kernels.test_ragged_paged_attention import SMALL_BLOCKS, _kernel_runs
-from tests.test_native_attention import dense_attention, make_batch
 
 # (case, random bits instead of a tree)
 CASES = [

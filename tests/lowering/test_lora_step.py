@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from jaxrunner.config import EngineArgs
-from jaxrunner.model_runner import lower_only
+from jaxrunner.runner.model_runner import lower_only
 from kernels_pallas.lowering import H200, TPU_V6E
 from tests.lowering.test_step import DECODE, EXTEND, SMALL, _check_kernels, _donated_inputs, _model
 

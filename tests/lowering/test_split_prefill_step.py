@@ -4,10 +4,10 @@ fits the chip, and the KV cache is still donated through the loop over a dynamic
 import jax
 import pytest
 
-from jaxrunner.buckets import Bucket
+from jaxrunner.batch.buckets import Bucket
+from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.config import EngineArgs
-from jaxrunner.forward_mode import ForwardMode
-from jaxrunner.model_runner import lower_only
+from jaxrunner.runner.model_runner import lower_only
 from kernels_pallas.lowering import H200, TPU_V6E
 from tests.lowering.test_step import SMALL, _check_kernels, _donated_inputs, _model
 

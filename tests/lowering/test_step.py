@@ -6,20 +6,20 @@ here. The kernels inside are checked as in test_kernels.py: the Mosaic kernel ag
 the Triton kernel compiled to PTX.
 """
 
-import sys
 from pathlib import Path
+import sys
 
 import jax
 import pytest
 
-from jaxrunner.buckets import Bucket
+from jaxrunner.batch.buckets import Bucket
+from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.config import EngineArgs
-from jaxrunner.forward_mode import ForwardMode
-from jaxrunner.model_runner import lower_only
+from jaxrunner.runner.model_runner import lower_only
 from kernels_pallas import lowering
 from kernels_pallas.lowering import H200, TPU_V6E, TPU_V7X
 from models.config import ModelConfig
-from models.random_checkpoint import hf_config
+from models.testing.random_checkpoint import hf_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from model_configs import LLAMA3_8B  # noqa: E402 (after the path above)

@@ -24,7 +24,7 @@ def main(spec: dict) -> dict:
     import jax  # noqa: PLC0415 (the device count above must come first)
 
     from jaxrunner import Engine  # noqa: PLC0415
-    from jaxrunner.distributed import LockstepEngine  # noqa: PLC0415
+    from jaxrunner.engine.lockstep import LockstepEngine  # noqa: PLC0415
 
     results = []
     for run in spec["runs"]:
@@ -144,9 +144,9 @@ def rebalance_report(engine, prompts, params) -> dict:
 def decode_hlo_summary(engine) -> dict:
     """The collectives of the largest decode step's compiled HLO, with their result types, and
     the shapes of the model's weights (to tell an all-gathered weight from an activation)."""
-    from jaxrunner.forward_mode import ForwardMode  # noqa: PLC0415
-
     import jax  # noqa: PLC0415
+
+    from jaxrunner.batch.forward_mode import ForwardMode  # noqa: PLC0415
 
     runner = engine.runner
     (bucket, capture), compiled = max(

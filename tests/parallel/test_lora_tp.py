@@ -3,7 +3,7 @@ projections (B's output features for q/k/v/gate/up, A's input features for o/dow
 tiny-llama's 2 KV heads are repeated, and k/v's B with them) give the tokens of one device, for
 a batch mixing the base and two adapters, with no compile after warm-up."""
 
-from models.random_lora import make_lora_adapter
+from models.testing.random_lora import make_lora_adapter
 from tests.parallel.conftest import PROMPTS, run_driver
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

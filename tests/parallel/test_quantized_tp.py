@@ -5,14 +5,14 @@ cache with them shards by KV head like any other. The same for a pre-quantized b
 checkpoint at TP 2, and for int8 MoE experts split over TP, over EP, and moved (with their
 scales) by an EPLB rebalance."""
 
-import pytest
 from jax.sharding import PartitionSpec as P
+import pytest
 
-from models.moe import trivial_placement
+from models.layers.moe import trivial_placement
 from models.sharding import partition_spec
+from tests.models.quantization.test_quantization_formats import fp8_checkpoints  # noqa: F401 (a fixture)
 from tests.parallel.conftest import run_driver
 from tests.parallel.test_expert_parallel import SKEWED
-from tests.test_quantization_formats import fp8_checkpoints  # noqa: F401 (a fixture)
 
 RUNS = [{"tp_size": 1, "quantization": "int8"}, {"tp_size": 2, "quantization": "int8"},
         {"tp_size": 4, "quantization": "int8", "kv_cache_dtype": "fp8_e4m3"},

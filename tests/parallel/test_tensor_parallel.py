@@ -3,14 +3,14 @@ after warm-up, and the collectives of a Megatron layout in the compiled decode s
 
 import re
 
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
-from jaxrunner.parallel import check_tp_size, effective_kv_heads, make_mesh
+from jaxrunner.parallel.mesh import check_tp_size, effective_kv_heads, make_mesh
 from models.config import ModelConfig
-from models.random_checkpoint import make_eagle_checkpoint
 from models.sharding import partition_spec, repeat_kv_heads, sharded_model_config
+from models.testing.random_checkpoint import make_eagle_checkpoint
 from tests.parallel.conftest import run_driver
 
 

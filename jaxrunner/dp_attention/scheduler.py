@@ -1,0 +1,106 @@
+"""The scheduler of DP attention: one `Scheduler` per data-parallel rank, stepping together.
+
+Each rank has its own request slots, KV pages and radix cache (`worker.get_memory_pool(rank)`)
+and its own policy: chunked prefill, MIXED batches and retraction work per rank as on one device.
+A new request goes to the rank with the least load (fewest running + waiting requests, ties to
+the lower rank) and stays there. Each `step()`:
+
+1. every rank builds its batch (`Scheduler.get_next_batch`), or none;
+2. all batches run in one SPMD step (`DataParallelWorker`); a rank without a batch is IDLE and
+   contributes padding only, because every rank takes part in every step (their projections
+   share the mesh);
+3. every rank books and processes its own tokens.
+
+Overlapped scheduling is off under DP: the next step would read each rank's sampled tokens on
+the device, which needs the per-rank token gather of `ForwardBatch.prepare` over a [dp] axis
+(the DP worker reads the tokens back every step instead).
+"""
+
+from collections.abc import Callable
+
+from jaxrunner.batch.schedule_batch import Req
+from jaxrunner.dp_attention.worker import DataParallelWorker
+from jaxrunner.scheduler.request_output import fill_vocab_mask
+from jaxrunner.scheduler.scheduler import Scheduler
+from jaxrunner.worker.model_worker import ModelWorker
+
+
+class DataParallelScheduler:
+    """`Scheduler`'s interface (`add_request`, `step`, `abort_request`, `flush_cache`,
+    `has_work`) over the worker's `dp_size` ranks."""
+
+    def __init__(self, worker: ModelWorker, decode_text: Callable[[list[int]], str] | None = None):
+        self.dp_worker = DataParallelWorker(worker)
+        self.ranks = [Scheduler(worker, decode_text, dp_rank=r, overlap=False)
+                      for r in range(worker.dp_size)]
+        self._rank_of: dict[int, Scheduler] = {}   # rid -> its rank, while it is unfinished
+        self.forward_ct = 0                        # joint steps
+        self.num_idle_rank_steps = 0               # rank-steps run IDLE while another rank worked
+
+    @property
+    def has_work(self) -> bool:
+        return any(s.has_work for s in self.ranks)
+
+    @property
+    def waiting(self) -> list[Req]:
+        return [r for s in self.ranks for r in s.waiting]
+
+    @property
+    def running(self) -> list[Req]:
+        return [r for s in self.ranks for r in s.running]
+
+    @property
+    def num_retractions(self) -> int:
+        return sum(s.num_retractions for s in self.ranks)
+
+    def add_request(self, req: Req) -> None:
+        """Queues `req` on the least loaded rank."""
+        # A request being prefilled in chunks is in neither list yet.
+        rank = min(self.ranks, key=lambda s: len(s.running) + len(s.waiting)
+                   + (s.chunked_req is not None))
+        rank.add_request(req)
+        if not req.finished:
+            self._rank_of[req.rid] = rank
+
+    def abort_request(self, req: Req, message: str = "aborted") -> None:
+        rank = self._rank_of.pop(req.rid, None)
+        if rank is not None:
+            rank.abort_request(req, message)
+
+    def flush_cache(self) -> bool:
+        """Empties every rank's prefix cache; only when no request is in the system."""
+        if self.has_work:
+            return False
+        for rank in self.ranks:
+            rank.flush_cache()
+        return True
+
+    def step(self) -> list[Req]:
+        """One joint step of all ranks; returns the requests that got new tokens."""
+        batches = [s.get_next_batch() for s in self.ranks]
+        active = sum(b is not None for b in batches)
+        if active == 0:
+            return []
+        self.forward_ct += 1
+        self.num_idle_rank_steps += len(batches) - active
+        worker_batches = self.dp_worker.worker_batches(batches)
+        results = self.dp_worker.forward_batch_generation(worker_batches,
+                                                          self._vocab_masks(batches, worker_batches))
+        updated = []
+        for rank, batch, result in zip(self.ranks, batches, results):
+            if batch is not None:
+                updated += rank.process_batch_result(rank.record_launch(batch, result))
+        for req in updated:
+            if req.finished:
+                self._rank_of.pop(req.rid, None)
+        return updated
+
+    def _vocab_masks(self, batches, worker_batches):
+        """Each rank's grammar bitmask (overlap is off, so every token is known), or None when
+        no rank has a constrained request."""
+        if not any(b is not None and any(r.grammar is not None for r in b.reqs)
+                   for b in batches):
+            return None
+        vocab = self.dp_worker.worker.vocab_size
+        return [fill_vocab_mask(b.reqs if b is not None else [], w.bucket.num_reqs, vocab)
+                for b, w in zip(batches, worker_batches)]

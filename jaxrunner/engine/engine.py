@@ -1,0 +1,426 @@
+"""The offline engine: SGLang's `Engine.generate` API over the scheduler, in this process."""
+
+import gc
+
+from tqdm.auto import tqdm
+
+from jaxrunner.batch.input_embeds import EmbedOverride, make_override, split_prompts
+from jaxrunner.batch.schedule_batch import Req
+from jaxrunner.config import EngineArgs
+from jaxrunner.dllm.scheduler import DllmScheduler
+from jaxrunner.dp_attention.scheduler import DataParallelScheduler
+from jaxrunner.engine.lifecycle import EngineLifecycle, EngineNotReadyError
+from jaxrunner.engine.request_factory import RequestFactory
+from jaxrunner.engine.tokenizer import load_tokenizer
+from jaxrunner.runner.compile_guard import CompileMonitor
+from jaxrunner.sampling.grammar import GrammarCache
+from jaxrunner.scheduler.scheduler import Scheduler
+from jaxrunner.speculative.spec_worker import SpeculativeWorker
+from jaxrunner.worker.model_worker import ModelWorker
+from models.config import ModelConfig
+
+
+def create_worker(args: EngineArgs, model_config: ModelConfig,
+                  compile_monitor: CompileMonitor | None = None):
+    """The worker an engine runs: a ModelWorker, or with speculative_algorithm the speculative
+    worker around one."""
+    if args.speculative_algorithm is not None:
+        return SpeculativeWorker(args, model_config, compile_monitor)
+    return ModelWorker(args, model_config, compile_monitor)
+
+
+class Engine(EngineLifecycle):
+    """Loads a Hugging Face checkpoint, compiles every bucket, and generates.
+
+    ```python
+    engine = Engine(model_path="hf_dir", dtype="float32", page_size=16)
+    outs = engine.generate(input_ids=[[1, 2, 3], [4, 5]],
+                           sampling_params={"max_new_tokens": 8, "temperature": 0.0})
+    engine.shutdown()
+    ```
+    Arguments are the fields of `EngineArgs`; `engine.args` holds them with every limit left
+    out resolved for this machine (jaxrunner/defaults.py). Memory release and weight updates
+    for RL rollouts: `EngineLifecycle` (jaxrunner/engine/lifecycle.py).
+    """
+
+    def __init__(self, **kwargs):
+        args = EngineArgs.from_kwargs(**kwargs)
+        self.model_config = ModelConfig.from_pretrained(args.model_path)
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.compile_monitor = CompileMonitor()
+        # Start-up compiles are this engine's own: another warm engine in the process lets them be.
+        with self.compile_monitor.owning():
+            self.worker = create_worker(args, self.model_config, self.compile_monitor)
+        self.args = self.worker.args
+        if self.args.disallow_compile_after_warmup:
+            self.compile_monitor.forbid()
+        decode_text = self._decode if self.tokenizer else None
+        if self.args.dp_size > 1:
+            self.scheduler = DataParallelScheduler(self.worker, decode_text)
+            self._rank_schedulers = self.scheduler.ranks
+        elif self.args.dllm_algorithm is not None:
+            self.scheduler = DllmScheduler(self.worker, decode_text)
+            self._rank_schedulers = [self.scheduler]
+        else:
+            self.scheduler = Scheduler(self.worker, decode_text)
+            self._rank_schedulers = [self.scheduler]
+        self.weight_version = self.args.weight_version
+        cfg = self.model_config
+        self.grammar_cache = None if self.tokenizer is None else GrammarCache(
+            self.tokenizer, cfg.vocab_size, cfg.eos_token_ids,
+            json_whitespace_pattern=self.args.constrained_json_whitespace_pattern,
+            json_disable_any_whitespace=self.args.constrained_json_disable_any_whitespace)
+        # Validation, ids and seeds of every request (the server's too).
+        self.request_factory = RequestFactory(cfg.vocab_size, cfg.eos_token_ids, self.max_req_len,
+                                              self.grammar_cache, self.tokenizer is not None,
+                                              self.args.random_seed,
+                                              speculative=self.args.speculative_algorithm,
+                                              check=(self.scheduler.check_request
+                                                     if self.args.dllm_algorithm else None))
+        # Start-up objects (model, executables, tokenizer) live as long as the engine: freezing
+        # them keeps the cyclic GC's full collections, which pause a step for ~0.3 s here, short.
+        gc.collect()
+        gc.freeze()
+
+    @property
+    def runner(self):
+        """The worker's ModelRunner (tests and tools read its facts)."""
+        return self.worker.model_runner
+
+    @property
+    def context_len(self) -> int:
+        return self.worker.context_len
+
+    @property
+    def max_req_len(self) -> int:
+        """Longest prompt + output one request may reach: the context, or the whole KV cache
+        when that is smaller (so a lone request can always finish)."""
+        return min(self.context_len, self.worker.max_total_tokens)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---- requests ----
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None,
+                 return_logprob: bool | list[bool] = False, priority: int | list[int] = 0,
+                 top_logprobs_num: int | list[int] = 0, logprob_start_len: int | list[int] = -1,
+                 show_progress: bool = False, input_embeds=None, replace_embeds=None,
+                 replace_positions=None, lora_path: str | list[str | None] | None = None):
+        """Generates for one prompt (a dict back) or a list of prompts (a list of dicts back).
+
+        `prompt` is text (or a list of texts), `input_ids` token ids (or a list of lists),
+        `input_embeds` a prompt as embeddings [tokens, hidden_size] (or a list of them); give
+        one, or `input_ids` and `input_embeds` as two lists with one prompt per request (None in
+        the other). `replace_embeds` [k, hidden_size] replace the embeddings of the prompt
+        positions `replace_positions` (k ints), per request (lists, None for none), as
+        multimodal models place image features. `sampling_params` is a dict of
+        `SamplingParams` fields, or a list of dicts, one per request; its `n` > 1 gives that
+        many samples of the prompt, one after another in the output list. `return_logprob`
+        adds log-probabilities of the output tokens, with `top_logprobs_num` alternatives each,
+        and of the prompt from `logprob_start_len` (-1: none), as SGLang's `/generate` does.
+        Every request is validated before any runs: a bad one raises ValueError naming it, and
+        nothing is enqueued; while the memory is released it raises EngineNotReadyError.
+        `show_progress` draws a progress bar of finished requests. `lora_path` names the LoRA
+        adapter each request runs with (SGLang's: a name from `lora_paths` or
+        `load_lora_adapter`; None: the base model), one for all or a list.
+        """
+        self._check_serving()
+        single, prompts, embeds = self._normalize_prompts(prompt, input_ids, input_embeds)
+        n = len(prompts)
+        per_request = [self._per_request(v, n, name, default) for v, name, default in (
+            (sampling_params, "sampling_params", {}), (return_logprob, "return_logprob", False),
+            (priority, "priority", 0), (top_logprobs_num, "top_logprobs_num", 0),
+            (logprob_start_len, "logprob_start_len", -1),
+            (replace_embeds if not single else [replace_embeds], "replace_embeds", None),
+            (replace_positions if not single else [replace_positions], "replace_positions",
+             None), (lora_path, "lora_path", None))]
+        reqs = []
+        for i, (ids, p, lp, prio, top, start, replaced, positions, lora) in enumerate(
+                zip(prompts, *per_request)):
+            try:
+                override = self._override(len(ids), embeds[i], replaced, positions)
+                group = self.request_factory.make_group(
+                    ids, p, return_logprob=lp, priority=prio, top_logprobs_num=top,
+                    logprob_start_len=start, embed_override=override,
+                    lora=self.lora_adapter(lora))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+            reqs += group
+        single = single and len(reqs) == 1
+        for req in reqs:
+            self.scheduler.add_request(req)
+        progress = tqdm(total=len(reqs), desc="generating", disable=not show_progress)
+        while not all(r.finished for r in reqs):
+            progress.update(sum(r.finished for r in self.scheduler.step()))
+        progress.close()
+        outputs = [self.output(r) for r in reqs]
+        return outputs[0] if single else outputs
+
+    def add_request(self, input_ids: list[int] | None, sampling_params=None,
+                    return_logprob: bool = False, priority: int = 0, input_embeds=None,
+                    replace_embeds=None, replace_positions=None, **logprob_options) -> Req:
+        """Queues one request without running it (the low-level API under `generate`; the
+        prompt is `input_ids` or `input_embeds`, as there); `logprob_options`:
+        `top_logprobs_num`, `logprob_start_len`.
+
+        Raises ValueError, naming the problem, for a request that cannot be served, and
+        EngineNotReadyError while the memory is released.
+        """
+        self._check_serving()
+        if input_embeds is not None:
+            _, (ids,), (embeds,) = split_prompts(None if input_ids is None else [input_ids],
+                                                 [input_embeds])
+        else:
+            ids, embeds = list(input_ids), None
+        override = self._override(len(ids), embeds, replace_embeds, replace_positions)
+        req = self.make_request(ids, sampling_params, return_logprob=return_logprob,
+                                priority=priority, embed_override=override, **logprob_options)
+        self.enqueue(req)
+        return req
+
+    def make_request(self, input_ids: list[int], sampling_params=None, input_embeds=None,
+                     **options) -> Req:
+        """A validated request (grammar compiled, id and seed drawn), not queued; thread-safe,
+        so a server makes them off the thread that steps the engine. `input_embeds`: the
+        prompt as embeddings (`input_ids` then placeholders of its length); `options` are
+        `RequestFactory.make`'s, with `lora_path` (an adapter's name) for its `lora`."""
+        self._check_serving()
+        if "lora_path" in options:
+            options["lora"] = self.lora_adapter(options.pop("lora_path"))
+        if input_embeds is not None:
+            options["embed_override"] = self._override(len(input_ids), input_embeds, None, None)
+        return self.request_factory.make(input_ids, sampling_params, **options)
+
+    def enqueue(self, req: Req) -> None:
+        """Queues a request from `make_request`."""
+        self._check_serving()
+        self.scheduler.add_request(req)
+
+    def step(self) -> list[Req]:
+        """Runs one scheduler step; returns the requests that got a new token in it (check
+        `req.finished`). Not thread-safe: drive the engine from one thread."""
+        return self.scheduler.step()
+
+    def abort_request(self, req: Req) -> None:
+        """Stops a queued or running request and frees its KV pages at once."""
+        self.scheduler.abort_request(req)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    def _normalize_prompts(self, prompt, input_ids, input_embeds
+                           ) -> tuple[bool, list[list[int]], list]:
+        """(single, token ids per request, given embeddings per request or None)."""
+        if input_embeds is not None:
+            if prompt is not None:
+                raise ValueError("give prompt or input_embeds, not both")
+            return split_prompts(input_ids, input_embeds)
+        single, prompts = self._token_prompts(prompt, input_ids)
+        return single, prompts, [None] * len(prompts)
+
+    def _token_prompts(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt, input_ids and input_embeds")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            for i, text in enumerate(texts):
+                if not isinstance(text, str):
+                    raise ValueError(f"request {i}: prompt must be a string, got "
+                                     f"{type(text).__name__}")
+                if not text:
+                    raise ValueError(f"request {i}: empty prompt")
+            return single, [self.tokenizer.encode(t) for t in texts]
+        if len(input_ids) == 0:
+            raise ValueError("input_ids is empty")
+        single = not isinstance(input_ids[0], (list, tuple))
+        return single, [list(input_ids)] if single else [list(ids) for ids in input_ids]
+
+    @staticmethod
+    def _per_request(value, n: int, name: str, default):
+        if value is None:
+            value = default
+        if isinstance(value, list):
+            if len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries for {n} requests")
+            return value
+        return [value] * n
+
+    def _override(self, prompt_len: int, input_embeds, replace_embeds,
+                  replace_positions) -> EmbedOverride | None:
+        """The request's given embeddings, checked: a whole prompt or some positions."""
+        if (replace_embeds is None) != (replace_positions is None):
+            raise ValueError("give replace_embeds and replace_positions together")
+        if (input_embeds is not None or replace_embeds is not None) and (
+                self.args.speculative_algorithm is not None):
+            raise ValueError("input_embeds / replace_embeds are not implemented with "
+                             "speculative decoding (the draft would not see them)")
+        if input_embeds is not None:
+            if replace_embeds is not None:
+                raise ValueError("a prompt given as input_embeds has no replace_embeds")
+            return make_override(input_embeds, range(prompt_len), prompt_len,
+                                 self.model_config.hidden_size)
+        if replace_embeds is None:
+            return None
+        return make_override(replace_embeds, replace_positions, prompt_len,
+                             self.model_config.hidden_size)
+
+    def _check_serving(self) -> None:
+        blocker = self.runner.serving_blocker()
+        if blocker is not None:
+            raise EngineNotReadyError(f"cannot take requests: {blocker}")
+
+    def output(self, req: Req) -> dict:
+        """The result dict of a finished request (SGLang's `meta_info` keys)."""
+        meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
+                "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
+                "finish_reason": req.finished_reason, "weight_version": self.weight_version}
+        if self.args.speculative_algorithm is not None:
+            # SGLang's: verify rounds, so accept length = completion_tokens / spec_verify_ct.
+            meta["spec_verify_ct"] = req.spec_verify_ct
+        if req.return_logprob:
+            meta.update(logprob_meta(req))
+        out = {"output_ids": list(req.output_ids), "meta_info": meta}
+        if self.tokenizer is not None:
+            out["text"] = (req.stopped_text if req.stopped_text is not None
+                           else self._decode(req.output_ids))
+        return out
+
+    # ---- lifecycle ----
+
+    def memory_stats(self) -> dict:
+        """KV pages and request slots, summed over DP ranks. `kv_pages_free` counts cached
+        prefixes no request holds: they are evicted on demand."""
+        ranks = self._rank_schedulers
+        return {"kv_pages_total": sum(s.allocator.capacity for s in ranks),
+                "kv_pages_free": sum(s.allocator.num_free + s.tree_cache.evictable_pages
+                                     for s in ranks),
+                "kv_pages_cached": sum(s.tree_cache.total_pages for s in ranks),
+                "req_slots_total": sum(s.req_to_token_pool.num_slots for s in ranks),
+                "req_slots_free": sum(s.req_to_token_pool.num_free_slots for s in ranks),
+                "num_requests_waiting": len(self.scheduler.waiting)}
+
+    # ---- LoRA adapters ----
+
+    @property
+    def lora_registry(self):
+        """The adapters and their device slots (jaxrunner/lora/registry.py); None without
+        LoRA."""
+        return getattr(self.worker, "lora_registry", None)  # a speculative worker has none
+
+    def lora_adapter(self, name: str | None):
+        """The loaded adapter `name` (None: the base model); ValueError naming an unknown one,
+        or LoRA not enabled."""
+        if name is None:
+            return None
+        if self.lora_registry is None:
+            raise ValueError(f"lora_path {name!r} given, but this engine serves no LoRA adapters "
+                             f"(start it with enable_lora or lora_paths)")
+        return self.lora_registry.get(name)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Loads the PEFT adapter at `lora_path` under `lora_name` while serving (SGLang's
+        name): into host memory now, into a device slot when a request first needs it; compiles
+        nothing. Raises ValueError naming the problem (the name taken, a bad file, a rank or
+        module the engine's pool lacks)."""
+        if self.lora_registry is None:
+            raise ValueError("load_lora_adapter needs an engine started with enable_lora")
+        self.lora_registry.load(lora_name, lora_path)
+        return {"success": True, "loaded_adapters": self.loaded_lora_adapters()}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Forgets adapter `lora_name`; refused (ValueError) while a request uses it."""
+        adapter = self.lora_adapter(lora_name)
+        users = [r for r in self.unfinished_requests() if r.lora is adapter]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_name!r} is in use by {len(users)} unfinished "
+                             f"requests")
+        self.lora_registry.unload(lora_name)
+        return {"success": True, "loaded_adapters": self.loaded_lora_adapters()}
+
+    def loaded_lora_adapters(self) -> dict[str, str]:
+        """{name: path} of every loaded adapter."""
+        registry = self.lora_registry
+        return {} if registry is None else {n: a.path for n, a in registry.adapters.items()}
+
+    # ---- mixture of experts ----
+
+    def _expert_tools(self):
+        if self.args.speculative_algorithm is not None:
+            raise ValueError("expert distribution recording and EPLB are not implemented with "
+                             "speculative decoding (verify steps do not keep routed counts)")
+        if self.worker.expert_recorder is None:
+            raise ValueError(f"{self.model_config.architecture} has no experts: expert "
+                             f"distribution recording and EPLB need a MoE model")
+        return self.worker.expert_recorder, self.worker.eplb_manager
+
+    def start_expert_distribution_record(self) -> None:
+        """Starts recording routed-token counts per (MoE layer, expert slot) (SGLang's name);
+        compiles nothing."""
+        self._expert_tools()[0].start()
+
+    def stop_expert_distribution_record(self) -> None:
+        self._expert_tools()[0].stop()
+
+    def dump_expert_distribution_record(self, path: str | None = None) -> dict:
+        """The recording as a dict (`expert_distribution_recorder_mode` "stat": counts summed,
+        "per_pass": per forward pass; physical slots and logical experts), also written as JSON
+        to `path` or a new file in `expert_distribution_recorder_dir` (the dict's "path")."""
+        return self._expert_tools()[0].dump(path)
+
+    def rebalance_experts(self) -> dict:
+        """Rebalances the experts over their slots and EP ranks now (EPLB) from the routed
+        counts since the last rebalance, moving expert weights between devices; compiles
+        nothing. Returns what it did (balancedness = mean / max load per rank)."""
+        return self._expert_tools()[1].rebalance()
+
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache; refused (False) while requests are in the engine."""
+        return self.scheduler.flush_cache()
+
+    def unfinished_requests(self) -> list[Req]:
+        """Every request waiting, being prefilled or decoding, on every DP rank."""
+        reqs = []
+        for s in self._rank_schedulers:
+            reqs += s.waiting + s.running + ([s.chunked_req] if s.chunked_req else [])
+            reqs += s.split.reqs if s.split is not None else []  # mid split prefill
+        return [r for r in dict.fromkeys(reqs) if not r.finished]
+
+    def shutdown(self) -> None:
+        self.compile_monitor.close()
+        self.worker = None
+        self.scheduler = None
+        self._rank_schedulers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def logprob_meta(req: Req) -> dict:
+    """SGLang's log-probability entries of a request's `meta_info`: lists of (logprob, token id,
+    None) tuples (the server may put the token's text in the third place)."""
+    meta = {"output_token_logprobs": [(lp, t, None)
+                                      for lp, t in zip(req.output_logprobs, req.output_ids)]}
+    if req.top_logprobs_num:
+        meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in top]
+                                       for top in req.output_top_logprobs]
+    if req.logprob_start_len >= 0:
+        start, prompt = req.logprob_start_len, req.origin_input_ids
+        lps = req.input_token_logprobs or [None] * len(prompt)
+        meta["input_token_logprobs"] = [(lps[p], prompt[p], None)
+                                        for p in range(start, len(prompt))]
+        if req.top_logprobs_num:
+            tops = req.input_top_logprobs or [None] * len(prompt)
+            meta["input_top_logprobs"] = [None if tops[p] is None else
+                                          [(lp, t, None) for lp, t in tops[p]]
+                                          for p in range(start, len(prompt))]
+    return meta

@@ -1,0 +1,1 @@
+"""Mixture-of-experts serving tools: where experts live and moving them, the expert distribution recorder, and EPLB."""

@@ -1,0 +1,125 @@
+"""The device KV cache: every layer's pages in one array, and how much memory it may take.
+
+Layout: `[num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim]`. Each layer's slice is
+the DESIGN.md layout `[num_pages, page_size, 2 * num_kv_heads, head_dim]` (K in the even and V in
+the odd slots of axis 2) that the Pallas and C++ kernels read. One array rather than one per
+layer, because the decoder runs its layers as one scanned body: the step threads the whole cache
+through the scan as loop state, and the attention of layer l reads and writes the pages of its
+slice in place (`models/llama.py`).
+"""
+
+from functools import partial
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner.config import FP8_KV_CACHE_DTYPES
+from jaxrunner.runner.compile_guard import in_this_context
+
+
+class TokenToKVPool:
+    """The KV cache array, replaced by each step's donated output.
+
+    The zeros are written in a thread of their own while the engine compiles (writing gigabytes
+    takes seconds on a CPU, where nothing else overlaps it); compiling needs only `spec`, and
+    the first read of `kv_cache` waits for them. `release` frees the array and `resume` writes
+    zeros again with the same program (no compile), of the same shape and sharding.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype, sharding=None, *, abstract: bool = False):
+        """`abstract`: no memory at all (for compiling only); `kv_cache` is then `spec`."""
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.shape = (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
+        self.dtype = jnp.dtype(dtype)
+        self.spec = jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
+        self._cache = self.spec if abstract else None
+        self._error: BaseException | None = None
+        self._allocating = None
+        if not abstract:
+            # Zeros made on the devices, each in its own shards: no host copy of the cache, and
+            # a sharding that spans several processes (multi-host) works the same way.
+            self._zeros = jax.jit(partial(jnp.zeros, self.shape, self.dtype),
+                                  out_shardings=sharding)
+            self._allocating = threading.Thread(target=in_this_context(self._allocate),
+                                                name="kv-cache-zeros", daemon=True)
+            self._allocating.start()
+
+    def _allocate(self) -> None:
+        try:
+            self._cache = jax.block_until_ready(self._zeros())
+        except BaseException as e:  # re-raised on first use
+            self._error = e
+
+    @property
+    def released(self) -> bool:
+        return self._cache is None and self._allocating is None
+
+    def release(self) -> None:
+        """Frees the cache's device memory (its contents are lost)."""
+        cache = self.kv_cache
+        if cache is not None:
+            cache.delete()
+        self._cache = None
+
+    def resume(self) -> None:
+        """A zeroed cache again after `release`, by the start-up program (already compiled)."""
+        if self.released:
+            self._cache = jax.block_until_ready(self._zeros())
+
+    @property
+    def kv_cache(self):
+        if self._allocating is not None:
+            self._allocating.join()
+            self._allocating = None
+            if self._error is not None:
+                raise self._error
+        return self._cache
+
+    @kv_cache.setter
+    def kv_cache(self, value) -> None:
+        self._cache = value
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """One layer's pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]."""
+        return self.shape[1:]
+
+    @property
+    def bytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
+    """The dtype an engine `kv_cache_dtype` names: "auto" is the model's dtype, "fp8_e4m3" and
+    "fp8_e5m2" the 8-bit floats (K and V stored as they are, scale 1.0)."""
+    if name == "auto":
+        return jnp.dtype(model_dtype)
+    return jnp.dtype(FP8_KV_CACHE_DTYPES.get(name, name))
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    return num_layers * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def available_kv_memory(device, weights_bytes: int, mem_fraction_static: float) -> int:
+    """Bytes the KV cache may use: `mem_fraction_static` of the device's memory, less the weights.
+
+    Accelerators report their memory; on a CPU we take the host's available memory.
+    """
+    stats = device.memory_stats()  # None on CPU
+    if stats and "bytes_limit" in stats:
+        total = stats["bytes_limit"]
+        return int(total * mem_fraction_static) - weights_bytes
+    return int(host_available_bytes() * mem_fraction_static) - weights_bytes
+
+
+def host_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")

@@ -1,0 +1,1 @@
+"""The device mesh (`data`, `tensor`) and the shardings the engine reuses."""

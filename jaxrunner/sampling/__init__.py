@@ -1,0 +1,1 @@
+"""Sampling: per-request parameters, the padded batch of them, the compiled sampler and penalties, and grammar masks."""

@@ -1,0 +1,1 @@
+"""Continuous batching on the host (no jax): admission, chunked prefill, MIXED batches, retraction, overlap."""

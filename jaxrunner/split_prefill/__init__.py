@@ -1,0 +1,1 @@
+"""Split prefill (SGLang's PD multiplexing): a prefill batch run a range of layers per step, with decode steps between its ranges. The scheduler's record (`schedule.py`, no jax), the compiled range step (`step.py`) and the model's layer range (`layer_range.py`)."""

@@ -1,0 +1,1 @@
+"""The model worker (SGLang's TpModelWorker): the one door from the scheduler to the device."""

@@ -1,0 +1,90 @@
+"""Where a MoE checkpoint keeps its experts: the names as data, and the layout of one checkpoint.
+
+Ours: per layer, one [P, in, out] array per expert projection, slot p holding logical expert
+`p mod E` at load (models/layers/moe.py, `trivial_placement`), and the router `mlp.gate.kernel` [D,
+E]. Checkpoints come in two layouts:
+- per expert, [out, in] each: `<block>.experts.{e}.<name>.weight`, as transformers 4 writes them,
+  and transformers 5 too (5.24 converts its fused weights back on `save_pretrained`). Mixtral
+  calls the projections w1 (gate), w3 (up), w2 (down) and its block `block_sparse_moe`;
+- fused, as transformers 5 holds them in memory (and loads them when a checkpoint has them):
+  `<block>.experts.gate_up_proj` [E, 2I, D] (gate rows, then up rows) and
+  `<block>.experts.down_proj` [E, D, I]; Mixtral's block is then `mlp`.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# our expert leaf -> (per-expert name by architecture, fused tensor, which half of it: 0 gate,
+# 1 up, None whole)
+EXPERT_TENSORS: dict[str, tuple[dict[str, str], str, int | None]] = {
+    "gate_proj": ({"Qwen3MoeForCausalLM": "gate_proj", "MixtralForCausalLM": "w1"},
+                  "gate_up_proj", 0),
+    "up_proj": ({"Qwen3MoeForCausalLM": "up_proj", "MixtralForCausalLM": "w3"},
+                "gate_up_proj", 1),
+    "down_proj": ({"Qwen3MoeForCausalLM": "down_proj", "MixtralForCausalLM": "w2"},
+                  "down_proj", None),
+}
+# The MoE block's name in per-expert checkpoints, where it is not ours (`mlp`).
+PER_EXPERT_BLOCK = {"MixtralForCausalLM": "block_sparse_moe"}
+
+
+def is_expert_param(path: tuple) -> bool:
+    """('model', 'layers', 0, 'mlp', 'experts', 'gate_proj') -> True; also its scale
+    ('gate_proj_scale') when the experts are quantized (models/quantization/moe.py)."""
+    return (len(path) >= 2 and path[-2] == "experts"
+            and path[-1].removesuffix("_scale") in EXPERT_TENSORS)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one checkpoint stores its MoE blocks."""
+
+    architecture: str
+    num_experts: int
+    fused: bool
+    block: str            # the MoE block's name in the checkpoint: "mlp" or "block_sparse_moe"
+
+    @classmethod
+    def detect(cls, cfg, names) -> "ExpertLayout | None":
+        """The layout of a checkpoint with tensor `names`; None for a dense model. A checkpoint
+        with neither layout is reported as lacking the per-expert tensors."""
+        if not cfg.is_moe:
+            return None
+        names = set(names)
+        layer = cfg.moe_layers[0]
+        for block in ("mlp", PER_EXPERT_BLOCK.get(cfg.architecture, "mlp")):
+            if f"model.layers.{layer}.{block}.experts.gate_up_proj" in names:
+                return cls(cfg.architecture, cfg.num_experts, True, block)
+        return cls(cfg.architecture, cfg.num_experts, False,
+                   PER_EXPERT_BLOCK.get(cfg.architecture, "mlp"))
+
+    def block_name(self, name: str) -> str:
+        """An HF name under our `mlp` of a MoE layer, as this checkpoint spells it."""
+        return name.replace(".mlp.", f".{self.block}.", 1)
+
+    def tensor(self, leaf: str, layer: int, expert: int) -> str:
+        """The checkpoint tensor holding expert `expert`'s `leaf` in `layer`."""
+        per_expert, fused, _ = EXPERT_TENSORS[leaf]
+        prefix = f"model.layers.{layer}.{self.block}.experts"
+        if self.fused:
+            return f"{prefix}.{fused}"
+        return f"{prefix}.{expert}.{per_expert[self.architecture]}.weight"
+
+    def tensors(self, leaf: str, layer: int) -> list[str]:
+        """Every checkpoint tensor `leaf` of `layer` is made of."""
+        return sorted({self.tensor(leaf, layer, e) for e in range(self.num_experts)})
+
+    def read(self, ckpt, leaf: str, layer: int, expert: int) -> np.ndarray:
+        """Expert `expert`'s `leaf` in `layer`, in our [in, out] layout."""
+        name = self.tensor(leaf, layer, expert)
+        if not self.fused:
+            return np.transpose(ckpt.get(name))
+        _, _, half = EXPERT_TENSORS[leaf]
+        w = ckpt.get(name, expert)                                  # [2I, D] or [D, I]
+        if half is not None:
+            if w.shape[0] % 2:
+                raise ValueError(f"tensor {name!r} has {w.shape[0]} rows per expert; gate and "
+                                 f"up halves need an even number")
+            w = np.split(w, 2, axis=0)[half]
+        return np.transpose(w)

@@ -1,0 +1,1 @@
+"""Quantized weights and KV scales: formats, quantizers, quantized linear and expert matmuls."""

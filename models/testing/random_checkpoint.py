@@ -1,0 +1,668 @@
+"""Random-initialised checkpoints in Hugging Face format, written without torch.
+
+`make_checkpoint(out_dir, preset)` writes config.json, generation_config.json, model.safetensors
+(or shards + index) and a small byte-level BPE tokenizer, so that both our engine and
+`transformers.AutoModelForCausalLM` / `AutoTokenizer` load the same directory. The checkpoint is
+the correctness oracle's input: greedy tokens from our engine are compared with HF `generate`
+token for token, so the weights are scaled for a wide logit spread (near-ties between the top two
+tokens are rare) and for outputs that vary with the context.
+
+The tokenizer is trained on a deterministic built-in corpus: docstrings of the Python standard
+library's top-level modules, in module-name order (no downloads; it may differ between Python
+versions, never between runs of one).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+import functools
+import json
+import os
+from pathlib import Path
+import shutil
+import sysconfig
+from typing import Any
+import uuid
+import zlib
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+_COMMON = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+
+# name -> config.json entries (before the common entries every config gets, see _hf_config).
+# `rope_form` picks how rope is written: "v4" = rope_theta + rope_scaling, "v5" = rope_parameters.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(
+        _COMMON,
+        architecture="LlamaForCausalLM",
+        rope_form="v4",
+        rope=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_position_embeddings=256),
+    ),
+    # YaRN, as Qwen's long-context configs enable it (the positions tests reach are below the
+    # original length, where YaRN's interpolated frequencies and cos/sin scaling still apply).
+    "tiny-qwen2": dict(
+        _COMMON,
+        architecture="Qwen2ForCausalLM",
+        rope_form="v5",
+        rope=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                  original_max_position_embeddings=512),
+    ),
+    # head_dim * heads (512) != hidden (256) on purpose: the model must not assume they are equal.
+    "tiny-qwen3": dict(
+        _COMMON,
+        architecture="Qwen3ForCausalLM",
+        num_attention_heads=8,
+        tie_word_embeddings=True,
+        rope_form="v4",
+        rope=dict(rope_type="default", rope_theta=1e6),
+    ),
+    # The benchmark model.
+    "small": dict(
+        architecture="LlamaForCausalLM",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_form="v4",
+        rope=dict(rope_type="default", rope_theta=500000.0),
+    ),
+}
+
+# Llama's options: biases on q/k/v and o_proj (`attention_bias`) and on the MLP's three
+# (`mlp_bias`), and an activation other than SiLU.
+PRESETS["tiny-llama-options"] = dict(PRESETS["tiny-llama"], attention_bias=True, mlp_bias=True,
+                                     hidden_act="gelu_pytorch_tanh")
+# The benchmark model at Llama-3-8B's depth: start-up must not grow with the layer count.
+PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
+# The benchmark model's shapes with no residual writes (o_proj and down_proj zero, the compute
+# unchanged): the next greedy token is a function of the current one, so greedy output runs
+# into a cycle of that function, and a prompt that holds the cycle is continued by repeating it
+# (the workload n-gram speculation is for; scripts/bench_speculative.py). Random weights have no
+# induction heads, so no other random model repeats its prompt.
+PRESETS["small-repeat"] = dict(PRESETS["small"], residual_write_scale=0.0)
+# A draft model for the benchmark model (its vocabulary, a quarter of its width and depth).
+PRESETS["small-draft"] = dict(PRESETS["small"], hidden_size=256, intermediate_size=704,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+# A block-diffusion LM in SDAR's format: Qwen3's network and weight names, config.json's
+# `mask_token_id` (the last vocabulary id) and trained `block_size` (jaxrunner/dllm/).
+PRESETS["tiny-sdar"] = dict(PRESETS["tiny-qwen3"], architecture="SDARForCausalLM",
+                            mask_token_id=_COMMON["vocab_size"] - 1, block_size=4)
+# The benchmark model's shapes as a block-diffusion LM (scripts/bench_dllm.py).
+PRESETS["small-sdar"] = dict(PRESETS["small"], architecture="SDARForCausalLM",
+                             mask_token_id=PRESETS["small"]["vocab_size"] - 1, block_size=4)
+
+# Mixture-of-experts presets: 8 experts, top-2. Experts are written per expert (as transformers 4
+# and 5.24 write them) unless `expert_layout` is "fused" (transformers 5's in-memory form, which
+# it also loads). tiny-qwen3-moe keeps layer 0 dense (`mlp_only_layers`), so its layers form
+# two runs of two kinds; it leaves the top-2 weights unnormalised, Mixtral renormalises them.
+_MOE = dict(num_experts=8, num_experts_per_tok=2)
+PRESETS["tiny-qwen3-moe"] = dict(
+    _COMMON, **_MOE,
+    architecture="Qwen3MoeForCausalLM",
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    moe_intermediate_size=128,
+    norm_topk_prob=False,
+    mlp_only_layers=[0],
+    rope_form="v4",
+    rope=dict(rope_type="default", rope_theta=1e6),
+)
+PRESETS["tiny-qwen3-moe-fused"] = dict(PRESETS["tiny-qwen3-moe"], expert_layout="fused")
+PRESETS["tiny-mixtral"] = dict(
+    _COMMON, **_MOE,
+    architecture="MixtralForCausalLM",
+    num_attention_heads=8,
+    head_dim=32,
+    intermediate_size=128,
+    rope_form="v5",
+    rope=dict(rope_type="default", rope_theta=1e6),
+)
+# The benchmark's MoE model: the "small" model's attention with 8 experts of a third of its MLP.
+PRESETS["small-moe"] = dict(
+    PRESETS["small"], **_MOE,
+    architecture="Qwen3MoeForCausalLM",
+    moe_intermediate_size=512,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+)
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "SDARForCausalLM": "sdar",
+}
+# Router weights: logits of std ROUTER_STD, so the top-k rarely sits on a near-tie that float
+# rounding could flip between implementations.
+ROUTER_STD = 4.0
+
+PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
+PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
+# Qwen2's (and, up to digit grouping, Llama 3's) pre-tokenizer split: words, single digits,
+# punctuation runs, newlines, spaces.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Weight scales. Inputs to every projection are RMS-normalised, so 1/sqrt(fan_in) keeps
+# activations near unit scale. o_proj and down_proj write RESIDUAL_WRITE_SCALE times that into the
+# residual stream so the layers dominate the embedding: with tied embeddings the embedding's direct
+# path makes a token favour itself (logit_t gains e_t . e_t), and greedy decoding falls into
+# repeating one token; a small embedding against large layer writes makes that rarer (it still
+# happens for some prompts). lm_head (untied) gives logits a std of about LOGIT_STD; tied logits
+# have std EMBED_STD * sqrt(hidden) (4 for hidden 256).
+EMBED_STD = 0.25
+RESIDUAL_WRITE_SCALE = 8.0
+LOGIT_STD = 6.0
+NORM_JITTER = 0.1
+BIAS_STD = 0.1
+
+_MARKER = ".checkpoint-complete"
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    preset: str,
+    seed: int = 0,
+    dtype: str = "float32",
+    shards: int = 1,
+) -> Path:
+    """Writes a random `preset` checkpoint with its tokenizer into out_dir; returns out_dir.
+
+    dtype: "float32" or "bfloat16" for the weights. shards > 1 writes
+    `model-0000i-of-0000N.safetensors` files and `model.safetensors.index.json`.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    spec = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = train_tokenizer(spec["vocab_size"])
+    _write_json(out / "config.json", _hf_config(spec, dtype))
+    _write_json(out / "generation_config.json", _generation_config())
+    _write_tokenizer(out, tokenizer, spec["max_position_embeddings"])
+    np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+    _write_weights(out, spec, seed, np_dtype, shards)
+    return out
+
+
+def cached_checkpoint(preset: str, root: str | Path, **kwargs: Any) -> Path:
+    """`root/preset`, made by `make_checkpoint(..., **kwargs)` unless a complete one is there.
+
+    Complete means the marker file, written last, exists and names the preset's current spec (a
+    checkpoint of an older version of the preset is rebuilt); a half-written directory is rebuilt.
+    The build happens in a temporary sibling directory renamed into place, so concurrent callers
+    (e.g. pytest-xdist workers) never see a partial checkpoint. For a session-scoped pytest fixture:
+    `cached_checkpoint("tiny-llama", tmp_path_factory.getbasetemp() / "checkpoints")`.
+    """
+    final = Path(root) / preset
+    marker = json.dumps({"preset": preset, "spec": PRESETS.get(preset), **kwargs},
+                        sort_keys=True, default=str)
+    if (final / _MARKER).is_file() and (final / _MARKER).read_text() == marker:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{preset}.tmp-{uuid.uuid4().hex}"
+    try:
+        make_checkpoint(tmp, preset, **kwargs)
+        (tmp / _MARKER).write_text(marker)
+        if final.exists() and (not (final / _MARKER).is_file()
+                               or (final / _MARKER).read_text() != marker):
+            shutil.rmtree(final, ignore_errors=True)  # half-written, or of an older preset
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _MARKER).is_file():  # not a concurrent winner: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --- config files -------------------------------------------------------------------------------
+
+
+def hf_config(preset: str, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json `make_checkpoint` writes for `preset` (e.g. for a shapes-only model)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    return _hf_config(PRESETS[preset], dtype)
+
+
+def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
+    arch = spec["architecture"]
+    config: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": _MODEL_TYPES[arch],
+        "vocab_size": spec["vocab_size"],
+        "hidden_size": spec["hidden_size"],
+        "intermediate_size": spec["intermediate_size"],
+        "num_hidden_layers": spec["num_hidden_layers"],
+        "num_attention_heads": spec["num_attention_heads"],
+        "num_key_value_heads": spec["num_key_value_heads"],
+        "head_dim": spec["head_dim"],
+        "hidden_act": spec.get("hidden_act", "silu"),
+        "max_position_embeddings": spec["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": spec["tie_word_embeddings"],
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "use_cache": True,
+    }
+    qwen3_like = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM")
+    if arch in ("LlamaForCausalLM", *qwen3_like):
+        config["attention_bias"] = spec.get("attention_bias", False)
+    if arch == "LlamaForCausalLM":
+        config["mlp_bias"] = spec.get("mlp_bias", False)
+    if arch in ("Qwen2ForCausalLM", *qwen3_like):
+        config.update(use_sliding_window=False, sliding_window=None,
+                      max_window_layers=spec["num_hidden_layers"])
+    if arch == "Qwen3MoeForCausalLM":
+        config.update(num_experts=spec["num_experts"],
+                      num_experts_per_tok=spec["num_experts_per_tok"],
+                      moe_intermediate_size=spec["moe_intermediate_size"],
+                      norm_topk_prob=spec["norm_topk_prob"], decoder_sparse_step=1,
+                      mlp_only_layers=spec["mlp_only_layers"], output_router_logits=False,
+                      router_aux_loss_coef=0.001)
+    if arch == "SDARForCausalLM":
+        config.update(mask_token_id=spec["mask_token_id"], block_size=spec["block_size"])
+    if arch == "MixtralForCausalLM":
+        config.update(num_local_experts=spec["num_experts"],
+                      num_experts_per_tok=spec["num_experts_per_tok"], router_jitter_noise=0.0,
+                      sliding_window=None, output_router_logits=False,
+                      router_aux_loss_coef=0.001)
+
+    rope = dict(spec["rope"])
+    if spec["rope_form"] == "v5":
+        config["rope_parameters"] = rope
+        config["dtype"] = dtype
+        config["transformers_version"] = "5.0.0"
+    else:
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+        config["torch_dtype"] = dtype
+        config["transformers_version"] = "4.51.0"
+    return config
+
+
+def _generation_config() -> dict[str, Any]:
+    # <|im_end|> ends a chat turn, so generation stops at either end token.
+    return {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID,
+            "do_sample": False}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+
+
+def stdlib_docstring_corpus() -> list[str]:
+    """Docstrings (module, classes, functions) of the stdlib's top-level modules, by module name."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        texts.extend(_docstrings(tree))
+    if not texts:
+        raise RuntimeError(f"no docstrings found under {root} to train the tokenizer on")
+    return texts
+
+
+def _docstrings(tree: ast.Module) -> Iterator[str]:
+    nodes = [tree] + [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+    for node in list(nodes):
+        if isinstance(node, ast.ClassDef):
+            nodes.extend(n for n in node.body if isinstance(n, ast.FunctionDef))
+    for node in nodes:
+        doc = ast.get_docstring(node)
+        if doc:
+            yield doc
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    # Exactly the pipeline transformers 5's Qwen2Tokenizer rebuilds around vocab + merges (it
+    # ignores the file's normalizer and pre-tokenizer), so every loader tokenizes alike.
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text encodes
+        min_frequency=2,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(stdlib_docstring_corpus(), trainer)
+    # Llama-style: encoding prepends <s>.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    return tokenizer.to_str()
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with at most vocab_size tokens (fewer if the corpus runs out of merges)."""
+    tokenizer = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    return tokenizer
+
+
+def _write_tokenizer(out: Path, tokenizer: Tokenizer, max_length: int) -> None:
+    tokenizer.save(str(out / "tokenizer.json"))
+    added = {
+        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+        for i, tok in enumerate(SPECIAL_TOKENS)
+    }
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+    })
+    _write_json(out / "special_tokens_map.json", {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": [IM_START, IM_END],
+    })
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+
+def _is_moe_layer(spec: dict[str, Any], layer: int) -> bool:
+    return "num_experts" in spec and layer not in spec.get("mlp_only_layers", ())
+
+
+def _expert_shapes(spec: dict[str, Any], prefix: str, fused: bool) -> dict[str, tuple]:
+    """A MoE layer's router and expert tensors, per expert or fused."""
+    d, num_experts = spec["hidden_size"], spec["num_experts"]
+    mixtral = spec["architecture"] == "MixtralForCausalLM"
+    f = spec["intermediate_size"] if mixtral else spec["moe_intermediate_size"]
+    block = f"{prefix}.block_sparse_moe" if mixtral and not fused else f"{prefix}.mlp"
+    shapes = {f"{block}.gate.weight": (num_experts, d)}
+    if fused:
+        return shapes | {f"{block}.experts.gate_up_proj": (num_experts, 2 * f, d),
+                         f"{block}.experts.down_proj": (num_experts, d, f)}
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for e in range(num_experts):
+        shapes.update({f"{block}.experts.{e}.{gate}.weight": (f, d),
+                       f"{block}.experts.{e}.{up}.weight": (f, d),
+                       f"{block}.experts.{e}.{down}.weight": (d, f)})
+    return shapes
+
+
+def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape ([out, in] for projections, as torch Linear stores them). MoE
+    experts come per expert or fused as the preset's `expert_layout` says (or `fused`)."""
+    d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
+    hd, nh, nkv = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"]
+    arch = spec["architecture"]
+    if fused is None:
+        fused = spec.get("expert_layout") == "fused"
+    shapes = {"model.embed_tokens.weight": (v, d)}
+    for i in range(spec["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes.update({
+            f"{p}.input_layernorm.weight": (d,),
+            f"{p}.self_attn.q_proj.weight": (nh * hd, d),
+            f"{p}.self_attn.k_proj.weight": (nkv * hd, d),
+            f"{p}.self_attn.v_proj.weight": (nkv * hd, d),
+            f"{p}.self_attn.o_proj.weight": (d, nh * hd),
+            f"{p}.post_attention_layernorm.weight": (d,),
+        })
+        if _is_moe_layer(spec, i):
+            shapes.update(_expert_shapes(spec, p, fused))
+        else:
+            shapes.update({
+                f"{p}.mlp.gate_proj.weight": (f, d),
+                f"{p}.mlp.up_proj.weight": (f, d),
+                f"{p}.mlp.down_proj.weight": (d, f),
+            })
+        if arch == "Qwen2ForCausalLM" or spec.get("attention_bias"):
+            shapes.update({
+                f"{p}.self_attn.q_proj.bias": (nh * hd,),
+                f"{p}.self_attn.k_proj.bias": (nkv * hd,),
+                f"{p}.self_attn.v_proj.bias": (nkv * hd,),
+            })
+        if arch != "Qwen2ForCausalLM" and spec.get("attention_bias"):
+            shapes[f"{p}.self_attn.o_proj.bias"] = (d,)
+        if spec.get("mlp_bias") and not _is_moe_layer(spec, i):
+            shapes.update({f"{p}.mlp.gate_proj.bias": (f,), f"{p}.mlp.up_proj.bias": (f,),
+                           f"{p}.mlp.down_proj.bias": (d,)})
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM"):
+            shapes.update({
+                f"{p}.self_attn.q_norm.weight": (hd,),
+                f"{p}.self_attn.k_norm.weight": (hd,),
+            })
+    shapes["model.norm.weight"] = (d,)
+    if not spec["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], seed: int,
+                 residual_write_scale: float = RESIDUAL_WRITE_SCALE) -> np.ndarray:
+    """One tensor, seeded by (seed, name): values do not depend on dtype, sharding or order.
+    Always float32, so a bfloat16 checkpoint rounds the float32 checkpoint's values (numpy
+    scalars of the scales below would otherwise make some tensors float64, rounded to bfloat16
+    differently)."""
+    return _init_values(name, shape, seed, residual_write_scale).astype(np.float32)
+
+
+def _init_values(name: str, shape: tuple[int, ...], seed: int,
+                 residual_write_scale: float) -> np.ndarray:
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith("norm.weight"):
+        return 1.0 + NORM_JITTER * x
+    if name.endswith(".bias"):
+        return BIAS_STD * x
+    if name == "model.embed_tokens.weight":
+        return EMBED_STD * x
+    fan_in = shape[1]
+    if name == "lm_head.weight":
+        return (LOGIT_STD / np.sqrt(fan_in)) * x
+    if name.endswith("gate.weight"):  # a MoE router
+        return (ROUTER_STD / np.sqrt(fan_in)) * x
+    residual_writes = ("o_proj.weight", "down_proj.weight", ".w2.weight")
+    scale = residual_write_scale if name.endswith(residual_writes) else 1.0
+    return (scale / np.sqrt(fan_in)) * x
+
+
+def _write_weights(
+    out: Path, spec: dict[str, Any], seed: int, dtype: np.dtype, shards: int
+) -> None:
+    shapes = tensor_shapes(spec)
+    names = list(shapes)
+    groups = _split_by_size(names, shapes, shards)
+    metadata = {"format": "pt"}  # HF expects this key when loading with torch
+    if spec.get("expert_layout") == "fused":
+        if shards != 1:
+            raise ValueError("a fused-expert preset is written as one file (shards=1)")
+        # The per-expert checkpoint's values, fused: both layouts hold the same model.
+        per_expert = tensor_shapes(spec, fused=False)
+        scale = spec.get("residual_write_scale", RESIDUAL_WRITE_SCALE)
+        values = {n: _init_tensor(n, s, seed, scale) for n, s in per_expert.items()}
+        values.update(_fuse_experts(values))
+        save_file({n: values[n].astype(dtype) for n in names}, out / "model.safetensors",
+                  metadata=metadata)
+        return
+    if shards == 1:
+        tensors = _materialise(groups[0], shapes, seed, dtype, spec)
+        save_file(tensors, out / "model.safetensors", metadata=metadata)
+        return
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = _materialise(group, shapes, seed, dtype, spec)
+        save_file(tensors, out / shard, metadata=metadata)
+        weight_map.update({n: shard for n in group})
+        total += sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+def _fuse_experts(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert Qwen3-MoE tensors -> transformers 5's fused ones, [E, 2I, D] and [E, D, I]."""
+    fused = {}
+    for name in values:
+        if name.endswith(".experts.0.gate_proj.weight"):
+            block = name.removesuffix(".0.gate_proj.weight")
+            experts = sorted({int(n[len(block) + 1:].split(".")[0]) for n in values
+                              if n.startswith(block + ".")})
+
+            def stack(leaf):
+                return np.stack([values[f"{block}.{e}.{leaf}.weight"] for e in experts])
+
+            fused[f"{block}.gate_up_proj"] = np.concatenate(
+                [stack("gate_proj"), stack("up_proj")], axis=1)
+            fused[f"{block}.down_proj"] = stack("down_proj")
+    return fused
+
+
+def _materialise(
+    names: list[str], shapes: dict, seed: int, dtype: np.dtype, spec: dict
+) -> dict[str, np.ndarray]:
+    scale = spec.get("residual_write_scale", RESIDUAL_WRITE_SCALE)
+    return {n: _init_tensor(n, shapes[n], seed, scale).astype(dtype) for n in names}
+
+
+def _split_by_size(names: list[str], shapes: dict, shards: int) -> list[list[str]]:
+    """`shards` consecutive, non-empty groups of names with roughly equal element counts."""
+    if shards > len(names):
+        raise ValueError(f"shards={shards} exceeds the {len(names)} tensors")
+    sizes = [int(np.prod(shapes[n])) for n in names]
+    target = sum(sizes) / shards
+    groups: list[list[str]] = [[]]
+    done = 0  # elements in the groups so far
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        shards_left = shards - len(groups)
+        full = done >= len(groups) * target or len(names) - i == shards_left
+        if groups[-1] and shards_left > 0 and full:
+            groups.append([])
+        groups[-1].append(name)
+        done += size
+    return groups
+
+
+# --- speculative-decoding draft heads ------------------------------------------------------------
+
+
+def make_eagle_checkpoint(out_dir: str | Path, algorithm: str, target_preset: str, seed: int = 0,
+                          draft_vocab_size: int | None = None,
+                          aux_layer_ids: list[int] | None = None) -> Path:
+    """A random EAGLE (`algorithm="EAGLE"`) or EAGLE-3 (`"EAGLE3"`) draft head for the
+    `target_preset` model, in the published checkpoint layouts (models/eagle.py): one decoder
+    layer of the target's shapes, `fc`, and for EAGLE-3 `norm`, an `lm_head` over a draft
+    vocabulary (default: half the target's) and the `d2t`/`t2d` maps to the target's ids."""
+    if algorithm not in ("EAGLE", "EAGLE3"):
+        raise ValueError(f"no draft head format for {algorithm!r}")
+    spec = dict(PRESETS[target_preset], num_hidden_layers=1)
+    d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
+    hd, nh, nkv = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _hf_config(dict(spec, architecture="LlamaForCausalLM"), "float32")
+    eagle3 = algorithm == "EAGLE3"
+    layer = "midlayer" if eagle3 else "layers.0"
+    d_in = 2 * d if eagle3 else d
+    shapes = {
+        f"{layer}.self_attn.q_proj.weight": (nh * hd, d_in),
+        f"{layer}.self_attn.k_proj.weight": (nkv * hd, d_in),
+        f"{layer}.self_attn.v_proj.weight": (nkv * hd, d_in),
+        f"{layer}.self_attn.o_proj.weight": (d, nh * hd),
+        f"{layer}.post_attention_layernorm.weight": (d,),
+        f"{layer}.mlp.gate_proj.weight": (f, d),
+        f"{layer}.mlp.up_proj.weight": (f, d),
+        f"{layer}.mlp.down_proj.weight": (d, f),
+    }
+    tensors = {}
+    if eagle3:
+        draft_vocab = draft_vocab_size or v // 2
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
+                      target_hidden_size=d)
+        if aux_layer_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+        shapes.update({"fc.weight": (d, 3 * d), f"{layer}.input_layernorm.weight": (d,),
+                       f"{layer}.hidden_norm.weight": (d,), "norm.weight": (d,),
+                       "lm_head.weight": (draft_vocab, d)})
+        rng = np.random.default_rng([seed, 3])
+        hot = np.sort(rng.choice(v, size=draft_vocab, replace=False))
+        tensors["d2t"] = (hot - np.arange(draft_vocab)).astype(np.int64)
+        t2d = np.zeros(v, bool)
+        t2d[hot] = True
+        tensors["t2d"] = t2d
+    else:
+        config["architectures"] = ["LlamaForCausalLMEagle"]
+        shapes.update({"fc.weight": (d, 2 * d), "fc.bias": (d,)})
+    tensors.update({name: _init_tensor(name, shape, seed) for name, shape in shapes.items()})
+    _write_json(out / "config.json", config)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -1,0 +1,181 @@
+"""The native backend against a dense per-sequence reference on random ragged paged batches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrunner.attention import AttentionConfig, NativeAttentionBackend
+from jaxrunner.batch.buckets import Bucket
+from jaxrunner.batch.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.batch.schedule_batch import ModelWorkerBatch
+from jaxrunner.sampling.batch import SamplingBatch
+
+
+def dense_attention(q, k, v, q_pos, kv_len, scale, window=None, soft_cap=None):
+    """One sequence: q [Q, H, D] at positions q_pos, k/v [kv_len, K, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+    kpos = np.arange(kv_len)
+    mask = kpos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= kpos[None, :] > q_pos[:, None] - window
+    s = np.where(mask[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v)
+
+
+def make_batch(rng, prefix_lens, new_lens, cfg, num_pages, T, R, max_pages):
+    """A random paged cache holding each sequence's prefix, plus the new tokens' q/k/v."""
+    ps, K, D = cfg.page_size, cfg.num_kv_heads, cfg.head_dim
+    cache = np.full((num_pages, ps, 2 * K, D), np.nan, np.float32)  # unused slots poisoned
+    cache[0] = 0.0  # the dummy page takes padding writes
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    page_table = np.zeros((R, max_pages), np.int32)
+    slots, full_k, full_v = [], [], []
+    for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
+        pages = [free.pop() for _ in range(-(-(p + n) // ps))]
+        page_table[i, :len(pages)] = pages
+        k = rng.standard_normal((p + n, K, D)).astype(np.float32)
+        v = rng.standard_normal((p + n, K, D)).astype(np.float32)
+        for t in range(p):
+            cache[pages[t // ps], t % ps, 0::2] = k[t]
+            cache[pages[t // ps], t % ps, 1::2] = v[t]
+        slots += [pages[t // ps] * ps + t % ps for t in range(p, p + n)]
+        full_k.append(k)
+        full_v.append(v)
+    num_tokens = sum(new_lens)
+    q = rng.standard_normal((T, cfg.num_heads, D)).astype(np.float32)
+    k_new = np.zeros((T, K, D), np.float32)
+    v_new = np.zeros((T, K, D), np.float32)
+    start = 0
+    for k, v, p, n in zip(full_k, full_v, prefix_lens, new_lens):
+        k_new[start:start + n], v_new[start:start + n] = k[p:], v[p:]
+        start += n
+    pad = lambda xs: np.array(list(xs) + [0] * (R - len(prefix_lens)), np.int32)  # noqa: E731
+    mode = ForwardMode.DECODE if all(n == 1 for n in new_lens) and T == R else ForwardMode.EXTEND
+    wb = ModelWorkerBatch(
+        forward_mode=mode, bucket=Bucket(mode, T, R),
+        input_token_src=np.full(T, -1, np.int32), num_reqs=len(new_lens), num_tokens=num_tokens,
+        input_ids=np.zeros(T, np.int32),
+        out_cache_loc=np.array(slots + [0] * (T - num_tokens), np.int32),
+        seq_lens=pad(p + n for p, n in zip(prefix_lens, new_lens)),
+        extend_seq_lens=pad(new_lens), extend_prefix_lens=pad(prefix_lens), page_table=page_table,
+        sampling=SamplingBatch.from_params([], [], [], padded_size=R))
+    return cache, q, k_new, v_new, full_k, full_v, wb
+
+
+CASES = {
+    "decode": ([5, 17, 40, 0], [1, 1, 1, 1], 4, 4),
+    "prefill": ([0, 0, 0], [7, 20, 1], 32, 4),
+    "mixed_with_prefix": ([9, 0, 33, 4], [1, 12, 5, 1], 24, 4),
+    # Several query blocks per request, ragged block ends, and two padding request rows.
+    "multi_block": ([0, 40, 0, 3], [130, 70, 7, 1], 256, 6),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("page_size,group,window,soft_cap",
+                         [(4, 1, None, None), (8, 4, None, 30.0), (16, 2, 6, None)])
+def test_native_matches_dense_reference(case, page_size, group, window, soft_cap):
+    _check_against_dense(case, page_size, group, window, soft_cap)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("case,page_size,group,window", [("mixed_with_prefix", 8, 4, None),
+                                                         ("multi_block", 16, 2, 6)])
+def test_native_fp8_cache_matches_dense_reference(case, page_size, group, window, kv_dtype):
+    """An 8-bit cache: the new K/V are stored rounded to it, and attention over the rounded
+    values is exact (the reference rounds the same way)."""
+    _check_against_dense(case, page_size, group, window, None, kv_dtype=kv_dtype)
+
+
+def _check_against_dense(case, page_size, group, window, soft_cap, kv_dtype=None):
+    prefix_lens, new_lens, T, R = CASES[case]
+    rng = np.random.default_rng(hash((case, page_size)) % 2**32)
+    num_layers, layer, num_pages = 3, 1, 80
+    cfg = AttentionConfig(num_heads=2 * group, num_kv_heads=2, head_dim=16, page_size=page_size,
+                          sm_scale=0.25, num_layers=num_layers, sliding_window=window,
+                          soft_cap=soft_cap)
+    max_pages = 256 // page_size
+    cache, q, k_new, v_new, full_k, full_v, wb = make_batch(
+        rng, prefix_lens, new_lens, cfg, num_pages=num_pages, T=T, R=R, max_pages=max_pages)
+    # The batch's layer sits between two others whose pages are all NaN: reading or writing
+    # any of them instead of the layer's own shows.
+    poison = np.full_like(cache, np.nan)
+    stacked = np.concatenate([poison, cache, poison])
+    def stored(x):  # x as the cache holds it
+        return x if kv_dtype is None else np.asarray(jnp.asarray(x, kv_dtype).astype(jnp.float32))
+    if kv_dtype is not None:
+        stacked = jnp.asarray(stacked, kv_dtype)
+        full_k, full_v = [stored(k) for k in full_k], [stored(v) for v in full_v]
+    backend = NativeAttentionBackend(cfg)
+    fb, _ = ForwardBatch.init_new(wb, jnp.zeros(4, jnp.int32), jnp.zeros((1, 1)))
+
+    @jax.jit
+    def run(q, k, v, cache, fb):
+        fb = fb.prepare()
+        return backend.forward(q, k, v, cache, jnp.int32(layer), fb,
+                               backend.init_forward_metadata(fb))
+
+    out, new_stacked = run(jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new),
+                           jnp.asarray(stacked), fb)
+    out = np.asarray(out)
+    new_stacked = np.asarray(new_stacked.astype(jnp.float32))
+    assert np.isnan(np.delete(new_stacked, np.s_[num_pages:2 * num_pages], axis=0)).all()
+    new_cache = new_stacked[num_pages:2 * num_pages]
+    start = 0
+    for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
+        want = dense_attention(q[start:start + n], full_k[i], full_v[i], np.arange(p, p + n), p + n,
+                               cfg.sm_scale, window, soft_cap)
+        np.testing.assert_allclose(out[start:start + n], want, rtol=1e-5, atol=1e-5)
+        start += n
+    assert np.isfinite(out).all()
+    # The new tokens' K/V landed in their slots, K even and V odd.
+    flat = np.asarray(new_cache).reshape(-1, 2 * cfg.num_kv_heads, cfg.head_dim)
+    slots = wb.out_cache_loc[:wb.num_tokens]
+    np.testing.assert_array_equal(flat[slots][:, 0::2], stored(k_new[:wb.num_tokens]))
+    np.testing.assert_array_equal(flat[slots][:, 1::2], stored(v_new[:wb.num_tokens]))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_native_block_bound(window):
+    """`ForwardBatch.kv_bound`: block-diffusion steps (each request's 4 new tokens see each
+    other, up to their block's end), one request prefilling whole blocks from scratch."""
+    prefix_lens, new_lens, T, R, block = [8, 0, 20, 4], [4, 8, 4, 4], 24, 5, 4
+    cfg = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, sm_scale=0.25,
+                          sliding_window=window)
+    rng = np.random.default_rng(3)
+    cache, q, k_new, v_new, full_k, full_v, wb = make_batch(
+        rng, prefix_lens, new_lens, cfg, num_pages=40, T=T, R=R, max_pages=8)
+    pos = np.concatenate([np.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
+    bound = np.zeros(T, np.int32)
+    bound[:len(pos)] = (pos // block + 1) * block
+    backend = NativeAttentionBackend(cfg)
+    fb, _ = ForwardBatch.init_new(wb, jnp.zeros(4, jnp.int32), jnp.zeros((1, 1)))
+
+    @jax.jit
+    def run(q, k, v, cache, fb, bound):
+        fb = fb.prepare().replace(kv_bound=bound)
+        return backend.forward(q, k, v, cache, jnp.int32(0), fb,
+                               backend.init_forward_metadata(fb))[0]
+
+    out = np.asarray(run(q, k_new, v_new, cache, fb, jnp.asarray(bound)))
+    start = 0
+    for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
+        qs, ks, vs = q[start:start + n], full_k[i], full_v[i]
+        for j in range(n):  # one query at a time: its visible keys are [0, bound)
+            b = bound[start + j]
+            want = dense_attention(qs[j:j + 1], ks[:b], vs[:b], np.array([b - 1]), b,
+                                   cfg.sm_scale, None, None)
+            if window is not None:  # the window counts back from the token's own position
+                lo = max(0, p + j - window + 1)
+                want = dense_attention(qs[j:j + 1], ks[lo:b], vs[lo:b], np.array([b - 1 - lo]),
+                                       b - lo, cfg.sm_scale, None, None)
+            np.testing.assert_allclose(out[start + j:start + j + 1], want, rtol=1e-5, atol=1e-5)
+        start += n

@@ -1,0 +1,324 @@
+"""The offline engine end to end on the tiny Llama: batching, compiles, sampling, stops, errors."""
+
+import re
+
+import jax
+import jax.monitoring
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from jaxrunner import Engine
+from jaxrunner.batch.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
+from jaxrunner.runner.compile_guard import COMPILE_EVENT, CompileAfterWarmupError
+from jaxrunner.runner.model_runner import ForwardModeNotImplemented
+from jaxrunner.sampling.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, engine_kwargs):
+    engine = Engine(model_path=str(checkpoint("tiny-llama")), **engine_kwargs)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_llama(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint("tiny-llama"), dtype=torch.float32).eval()
+
+
+def _all_pages_free(engine):
+    """Every page is back once the prefix cache lets go of its pages."""
+    scheduler = engine.scheduler
+    return (engine.flush_cache() and scheduler.allocator.num_free == scheduler.allocator.capacity
+            and scheduler.req_to_token_pool.num_free_slots == scheduler.req_to_token_pool.num_slots)
+
+
+def _random_prompt(rng, engine, n):
+    return rng.integers(3, engine.model_config.vocab_size, size=n).tolist()
+
+
+class CompileCounter:
+    """A jax.monitoring listener of our own, independent of the engine's CompileMonitor."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event, duration, **kwargs):
+        self.count += event == COMPILE_EVENT
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def test_waves_of_64_requests_with_16_running_never_compile_and_free_every_page(engine):
+    rng = np.random.default_rng(0)
+    reqs, waves = [], 4
+    with CompileCounter() as counter:
+        for wave in range(waves):
+            for _ in range(16):
+                n_in, n_out = int(rng.integers(1, 513)), int(rng.integers(1, 129))
+                reqs.append(engine.add_request(
+                    _random_prompt(rng, engine, n_in),
+                    {"max_new_tokens": n_out, "temperature": float(rng.choice([0.0, 0.8])),
+                     "top_p": 0.9, "ignore_eos": True}))
+            # The next wave arrives while this one is decoding.
+            for _ in range(10 if wave < waves - 1 else 0):
+                engine.step()
+                assert len(engine.scheduler.running) <= 16
+        while engine.has_unfinished_requests:
+            engine.step()
+            assert len(engine.scheduler.running) <= 16
+    assert counter.count == 0, f"{counter.count} compiles after warm-up"
+    assert all(r.finished for r in reqs)
+    for r in reqs:
+        assert len(r.output_ids) == r.sampling_params.max_new_tokens
+        assert r.finished_reason == {"type": "length", "length": r.max_new_tokens}
+    assert _all_pages_free(engine)
+
+
+def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwargs):
+    """The compile guard is per engine: a warm engine that refuses compiles lets a second one
+    start in the same process (its compiles are its own) and counts none of them, while a
+    compile nobody owns is still refused."""
+    before = engine.compile_monitor.count
+    other = Engine(model_path=str(checkpoint("tiny-qwen2")),
+                   **dict(engine_kwargs, max_running_requests=2, max_prefill_tokens=32))
+    try:
+        assert other.compile_monitor.count > 0  # it compiled its buckets
+        out = other.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
+        assert len(out["output_ids"]) == 3
+        with other.compile_monitor.allowed():  # as a weight update's helper program compiles
+            jax.jit(lambda x: x * 3 + 1)(np.arange(7, dtype=np.float32)).block_until_ready()
+        assert engine.compile_monitor.count == before
+        with pytest.raises(CompileAfterWarmupError):
+            jax.jit(lambda x: x * 5 - 2)(np.arange(11, dtype=np.float32)).block_until_ready()
+    finally:
+        other.shutdown()
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
+    assert len(out["output_ids"]) == 3
+
+
+def test_batched_greedy_equals_one_at_a_time(engine):
+    rng = np.random.default_rng(1)
+    prompts = [_random_prompt(rng, engine, n) for n in (3, 50, 17, 200, 1, 90)]
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    together = engine.generate(input_ids=prompts, sampling_params=params)
+    for prompt, out in zip(prompts, together):
+        assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == out["output_ids"]
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_matches_hf(engine, hf_llama):
+    rng = np.random.default_rng(2)
+    prompt = _random_prompt(rng, engine, 1300)  # > max_prefill_tokens (512): three chunks
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0.0})
+    with torch.no_grad():
+        want = hf_llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    assert out["output_ids"] == want[0, len(prompt):].tolist()
+    assert _all_pages_free(engine)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
+    rng = np.random.default_rng(3)
+    prompt = _random_prompt(rng, engine, 20)
+    params = {"max_new_tokens": 16, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    alone = engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    others = [_random_prompt(rng, engine, 30) for _ in range(5)]
+    batched = engine.generate(input_ids=others + [prompt],
+                              sampling_params=[{"max_new_tokens": 16, "temperature": 1.0}] * 5 + [params])
+    assert batched[-1]["output_ids"] == alone
+    other_seed = engine.generate(input_ids=prompt, sampling_params=dict(params, seed=99))
+    assert other_seed["output_ids"] != alone
+    top1 = engine.generate(input_ids=prompt, sampling_params=dict(params, top_k=1))
+    greedy = engine.generate(input_ids=prompt, sampling_params=dict(params, temperature=0.0))
+    assert top1["output_ids"] == greedy["output_ids"]
+
+
+def test_logprobs_are_the_models_log_softmax(engine, hf_llama):
+    rng = np.random.default_rng(4)
+    prompt = _random_prompt(rng, engine, 10)
+    out = engine.generate(input_ids=prompt, return_logprob=True,
+                          sampling_params={"max_new_tokens": 6, "temperature": 0.7, "seed": 5,
+                                           "ignore_eos": True})
+    logprobs = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in logprobs] == out["output_ids"]
+    with torch.no_grad():
+        full = torch.tensor([prompt + out["output_ids"]])
+        want = torch.log_softmax(hf_llama(full).logits[0], -1).numpy()
+    for i, (lp, token, _) in enumerate(logprobs):
+        assert lp == pytest.approx(want[len(prompt) - 1 + i, token], abs=1e-4)
+
+
+def test_stop_strings_and_stop_token_ids(engine):
+    prompt = "def main():"
+    base = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0.0,
+                                                           "ignore_eos": True})
+    text, ids = base["text"], base["output_ids"]
+    stop = text[8:11]
+    assert len(stop) == 3 and stop.strip()
+    out = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0.0,
+                                                          "ignore_eos": True, "stop": [stop]})
+    assert out["text"] == text[:text.find(stop)]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    out = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0.0,
+                                                          "ignore_eos": True,
+                                                          "stop_token_ids": [ids[5]]})
+    first = ids.index(ids[5])
+    assert out["output_ids"] == ids[:first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[5]}
+    assert _all_pages_free(engine)
+
+
+def test_max_new_tokens_is_capped_by_the_context(engine):
+    rng = np.random.default_rng(5)
+    n = engine.context_len - 3
+    out = engine.generate(input_ids=_random_prompt(rng, engine, n),
+                          sampling_params={"max_new_tokens": 50, "temperature": 0.0,
+                                           "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 3
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(input_ids=[[]]), "empty prompt"),
+    (dict(prompt=[""]), "empty prompt"),
+    (dict(input_ids=[[1, 2, 10**6]]), "outside the vocabulary"),
+    (dict(input_ids=[[1, -1]]), "outside the vocabulary"),
+    (dict(input_ids=[[1] * 5000]), "context length"),
+    (dict(input_ids=[[1, 2]], sampling_params={"temperature": -0.5}), "temperature"),
+    (dict(input_ids=[[1, 2]], sampling_params={"top_p": 0.0}), "top_p"),
+    (dict(input_ids=[[1, 2]], sampling_params={"top_p": 1.5}), "top_p"),
+    (dict(input_ids=[[1, 2]], sampling_params={"temprature": 0.5}), "temprature"),
+    (dict(input_ids=[[1, 2]], sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
+])
+def test_bad_requests_raise_a_clear_error_and_the_engine_keeps_serving(engine, kwargs, message):
+    good = [5, 6, 7]
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+    assert not engine.has_unfinished_requests
+    out = engine.generate(input_ids=good, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 3
+    assert _all_pages_free(engine)
+
+
+def test_a_bad_request_in_a_batch_enqueues_nothing(engine):
+    with pytest.raises(ValueError, match="request 1: .*top_p"):
+        engine.generate(input_ids=[[1, 2], [3, 4]],
+                        sampling_params=[{"max_new_tokens": 2}, {"top_p": 2.0}])
+    assert not engine.has_unfinished_requests
+
+
+def test_abort_frees_pages_of_running_and_waiting_requests(engine):
+    rng = np.random.default_rng(6)
+    params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    reqs = [engine.add_request(_random_prompt(rng, engine, 30), params) for _ in range(3)]
+    while len(reqs[1].output_ids) < 2:  # with overlap, a step's tokens arrive a step later
+        engine.step()
+    held = engine.scheduler.allocator.num_free + engine.scheduler.tree_cache.evictable_pages
+    engine.abort_request(reqs[1])
+    assert reqs[1].finished_reason["type"] == "abort"
+    # Its pages are free, or cached and evictable: nothing is locked for it any more.
+    assert engine.scheduler.allocator.num_free + engine.scheduler.tree_cache.evictable_pages > held
+    num_aborted_outputs = len(reqs[1].output_ids)
+    late = engine.add_request(_random_prompt(rng, engine, 10), params)
+    engine.abort_request(late)  # still waiting
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert len(reqs[0].output_ids) == len(reqs[2].output_ids) == 40
+    assert len(reqs[1].output_ids) == num_aborted_outputs and late.output_ids == []
+    assert _all_pages_free(engine)
+
+
+def _elements(hlo_type: str) -> int:
+    dims = re.search(r"\[([\d,]*)\]", hlo_type).group(1)
+    return int(np.prod([int(d) for d in dims.split(",") if d]))
+
+
+def test_no_executable_copies_the_kv_cache(engine):
+    """The cache is donated and threaded through the scanned layers as loop state: a copy of it,
+    or of any layer's pages, in any step means XLA could not update it in place, which costs a
+    cache write per step. Two checks per executable: no HLO copy of a layer-sized array or
+    larger, and scratch memory smaller than one layer's pages (a copy needs a buffer)."""
+    assert_no_kv_cache_copy(engine.runner)
+
+
+def assert_no_kv_cache_copy(runner):
+    """`runner`'s executables update its donated KV cache in place (see the test above)."""
+    pool = runner.token_to_kv_pool
+    layer_elements = int(np.prod(pool.layer_shape))
+    layer_bytes = layer_elements * pool.dtype.itemsize
+    copy = re.compile(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(")
+    assert runner.executables
+    for key, executable in runner.executables.items():
+        big = [t for t in copy.findall(executable.as_text()) if _elements(t) >= layer_elements]
+        assert not big, f"{key[0]} copies KV-cache-sized arrays: {big}"
+        memory = executable.memory_analysis()
+        assert memory.temp_size_in_bytes < layer_bytes, (
+            f"{key[0]} needs {memory.temp_size_in_bytes} bytes of scratch, more than a layer's "
+            f"{layer_bytes}-byte cache")
+        # The donated cache comes back in the same buffer.
+        assert memory.alias_size_in_bytes >= pool.bytes, key[0]
+
+
+def test_a_running_requests_prompt_is_shared_before_it_finishes(engine):
+    rng = np.random.default_rng(7)
+    prefix = _random_prompt(rng, engine, 64)
+    params = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
+    first = engine.add_request(prefix + _random_prompt(rng, engine, 5), params)
+    while not first.output_ids:
+        engine.step()
+    second = engine.add_request(prefix + _random_prompt(rng, engine, 9), params)
+    while not second.output_ids:
+        engine.step()
+    assert not first.finished
+    assert second.cached_tokens == 64
+    while engine.has_unfinished_requests:
+        engine.step()
+    alone = engine.generate(input_ids=second.origin_input_ids, sampling_params=params)
+    assert engine.flush_cache()
+    fresh = engine.generate(input_ids=second.origin_input_ids, sampling_params=params)
+    assert second.output_ids == alone["output_ids"] == fresh["output_ids"]
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    assert _all_pages_free(engine)
+
+
+@pytest.mark.parametrize("mode", list(ForwardMode), ids=lambda m: m.name)
+def test_every_forward_mode_runs_its_own_path_or_names_itself(engine, mode, monkeypatch):
+    """ModelRunner.forward sends DECODE to the decode path and EXTEND/MIXED to the extend path;
+    every other mode raises an error naming it, rather than running as another."""
+    runner, scheduler = engine.runner, engine.scheduler
+    taken = []
+    for path in ("forward_decode", "forward_extend"):
+        original = getattr(runner, path)
+        monkeypatch.setattr(runner, path, lambda fb, _o=original, _p=path: (taken.append(_p),
+                                                                            _o(fb))[1])
+    decode_shaped = mode.is_batch_size_bucketed()
+    reqs = [Req(rid=10_000 + i, origin_input_ids=[5 + i], sampling_params=SamplingParams(
+        temperature=0.0).normalized(), seed=0, max_new_tokens=1, eos_token_ids=frozenset())
+        for i in range(2)]
+    batch = ScheduleBatch(reqs, mode, [1, 1], scheduler.req_to_token_pool, scheduler.allocator,
+                          engine.args.page_size)
+    assert batch.alloc_kv()
+    try:
+        family = ForwardMode.DECODE if decode_shaped else ForwardMode.EXTEND
+        worker_batch = batch.get_model_worker_batch(engine.worker.pick_bucket(family, 2, 2))
+        fb, _ = ForwardBatch.init_new(worker_batch, runner.no_prev_tokens,
+                                      runner.input_embeds_for(worker_batch))
+        if mode in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED):
+            logits = np.asarray(runner.forward(fb).next_token_logits)
+            assert np.isfinite(logits[:2]).all()
+            assert taken == ["forward_decode" if mode.is_decode() else "forward_extend"]
+        else:
+            with pytest.raises(ForwardModeNotImplemented, match=mode.name):
+                runner.forward(fb)
+            assert taken == []
+    finally:
+        for req in reqs:
+            scheduler.allocator.free(scheduler.req_to_token_pool.free_slot(req.req_pool_idx))
