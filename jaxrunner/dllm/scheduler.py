@@ -115,6 +115,10 @@ class DllmScheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.generating)
 
+    def unfinished_requests(self) -> list[Req]:
+        """Every request waiting, prefilling its prompt blocks or generating."""
+        return [r for r in self.waiting + self.running if not r.finished]
+
     def add_request(self, req: Req) -> None:
         self.check_request(req)
         if req.max_new_tokens == 0:

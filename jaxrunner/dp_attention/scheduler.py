@@ -41,6 +41,10 @@ class DataParallelScheduler:
     def has_work(self) -> bool:
         return any(s.has_work for s in self.ranks)
 
+    def unfinished_requests(self) -> list[Req]:
+        """Every rank's unfinished requests."""
+        return [r for s in self.ranks for r in s.unfinished_requests()]
+
     @property
     def waiting(self) -> list[Req]:
         return [r for s in self.ranks for r in s.waiting]

@@ -386,11 +386,7 @@ class Engine(EngineLifecycle):
 
     def unfinished_requests(self) -> list[Req]:
         """Every request waiting, being prefilled or decoding, on every DP rank."""
-        reqs = []
-        for s in self._rank_schedulers:
-            reqs += s.waiting + s.running + ([s.chunked_req] if s.chunked_req else [])
-            reqs += s.split.reqs if s.split is not None else []  # mid split prefill
-        return [r for r in dict.fromkeys(reqs) if not r.finished]
+        return self.scheduler.unfinished_requests()
 
     def shutdown(self) -> None:
         self.compile_monitor.close()

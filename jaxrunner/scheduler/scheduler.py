@@ -111,6 +111,12 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked_req or self.split or (
             self.in_flight and not all(r.finished for r in self.in_flight.batch.reqs)))
 
+    def unfinished_requests(self) -> list[Req]:
+        """Every request waiting, being prefilled (whole, chunked or split) or decoding."""
+        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        reqs += self.split.reqs if self.split is not None else []
+        return [r for r in dict.fromkeys(reqs) if not r.finished]
+
     def add_request(self, req: Req) -> None:
         if req.max_new_tokens == 0 and not req.wants_input_logprobs:
             req.finished_reason = {"type": "length", "length": 0}
