@@ -26,6 +26,8 @@ from kernels_pallas.ragged_paged_attention import FP8_DTYPES, check_static_args
 from kernels_pallas.ragged_paged_attention.reference import token_metadata
 
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
+# The vector helpers both sources include (kernels_cpu/simd.h): part of every build key.
+_HEADER = Path(__file__).with_name("simd.h")
 _TARGET = "jaxrunner_ragged_paged_attention"
 _TARGET_BOUNDED = "jaxrunner_ragged_paged_attention_bounded"
 _TARGET_TREE = "jaxrunner_ragged_paged_attention_tree"
@@ -75,7 +77,7 @@ def _build(march: str | None = None, source: Path | None = None) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=False).stdout
     key = hashlib.sha256("\0".join([
-        source.read_text(), cxx, version, " ".join(flags), jaxlib.__version__, _cpu_signature(),
+        source.read_text(), _HEADER.read_text(), cxx, version, " ".join(flags), jaxlib.__version__, _cpu_signature(),
     ]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
@@ -84,7 +86,8 @@ def _build(march: str | None = None, source: Path | None = None) -> Path:
     # Build beside the target and rename: concurrent builders never see a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", f"-I{_HEADER.parent}", str(source), "-o",
+           tmp]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         os.unlink(tmp)

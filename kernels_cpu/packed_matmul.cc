@@ -26,67 +26,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int kVecRegs = 32;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-constexpr int kVecRegs = 16;
-#elif defined(__aarch64__)
-constexpr int kLanes = 4;
-constexpr int kVecRegs = 32;
-#else
-constexpr int kLanes = 4;
-constexpr int kVecRegs = 16;
-#endif
+using namespace jaxrunner_simd;
+
 constexpr int kPanelVecs = 2;                  // vectors per row of a panel
 constexpr int kPanel = kPanelVecs * kLanes;    // columns per panel
 constexpr int kMR = kVecRegs >= 32 ? 12 : 6;   // rows per register block
 constexpr int64_t kKC = 256;                   // k per chunk of a panel (kPanel x 256 floats)
 constexpr int64_t kMC = 32 * kMR;              // rows per work item
-
-#define JR_INLINE inline __attribute__((always_inline))
-
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vf_u __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-
-JR_INLINE vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
-JR_INLINE void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
-// x - 0 is x for every x (x + 0 is not, for x = -0), so the compiler folds it to a broadcast.
-JR_INLINE vf splat(float x) { return x - vf{}; }
-
-struct BF16 { uint16_t bits; };
-typedef uint16_t vh_u __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-// kLanes bfloat16 widened to float32 (zero-extend, shift into the high half).
-JR_INLINE vf load(const BF16* p) {
-  const vu u = __builtin_convertvector(*reinterpret_cast<const vh_u*>(p), vu) << 16;
-  vf f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-JR_INLINE float to_float(BF16 x) {
-  const uint32_t u = uint32_t(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-JR_INLINE BF16 to_bf16(float x) {  // round to nearest even, as XLA converts
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{uint16_t((u >> 16) | 0x40)};  // NaN stays
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return BF16{uint16_t(u >> 16)};
-}
 
 // C[R, kPanel] (row stride ldc) = (or +=) A[R, kc] (row stride lda) x panel[kc][kPanel].
 template <int R, typename W>
@@ -236,7 +189,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, int64_t
   } else {
     const T* x16 = reinterpret_cast<const T*>(x.untyped_data());
     P->x32.resize(P->M * P->K);
-    for (int64_t i = 0; i < P->M * P->K; ++i) P->x32[i] = to_float(x16[i]);
+    for (int64_t i = 0; i < P->M * P->K; ++i) P->x32[i] = to_f32(x16[i]);
     P->x = P->x32.data();
   }
   // About four items per thread per row block, so the threads finish close together.

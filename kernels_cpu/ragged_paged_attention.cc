@@ -29,31 +29,15 @@
 #include <thread>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// The native vector of the build (-march=native): 512 bits with AVX-512, 256 with AVX/AVX2,
-// 128 otherwise (SSE, NEON). Register blocks are sized by the register file, 32 vector registers
-// on AVX-512 and AArch64 and 16 on AVX2 and SSE: a block that does not fit spills every
-// accumulator to the stack each iteration (16-float vectors emulated on AVX2 ran decode at a
-// tenth of the memory bandwidth and prefill at 4 GFLOP/s that way).
-#if defined(__AVX512F__)
-#define JR_LANES 16
-constexpr int kVecRegs = 32;
-#elif defined(__AVX__)
-#define JR_LANES 8
-constexpr int kVecRegs = 16;
-#elif defined(__aarch64__)
-#define JR_LANES 4
-constexpr int kVecRegs = 32;
-#else
-#define JR_LANES 4
-constexpr int kVecRegs = 16;
-#endif
-constexpr int kLanes = JR_LANES;          // floats per vector
+using namespace jaxrunner_simd;
+
 constexpr int kTile = 64;                 // keys per tile
 constexpr int kTileVecs = kTile / kLanes;
 constexpr int kRowBlock = 4;              // query rows per register block
@@ -64,18 +48,6 @@ static_assert(kTileVecs % kColVecs == 0, "a tile is whole column blocks");
 constexpr int kTargetRows = 64;           // query rows (tokens x group) per work item
 constexpr int kDirectRows = 8;            // at most this many rows read K/V in place
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Hot helpers must inline: a vector argument of a non-inlined call goes through memory.
-#define JR_INLINE inline __attribute__((always_inline))
-
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-// An unaligned view for loads and stores from plain float arrays.
-typedef float vf_u __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-
-JR_INLINE vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
-JR_INLINE void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
-JR_INLINE vf splat(float x) { return vf{} + x; }
 
 JR_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
 
@@ -117,29 +89,8 @@ JR_INLINE vf vexp(vf x) {
 
 // ---- element types ------------------------------------------------------------------------
 
-struct BF16 {
-  uint16_t bits;
-};
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(BF16 x) {
-  uint32_t u = uint32_t(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 inline void from_f32(float x, float* out) { *out = x; }
-inline void from_f32(float x, BF16* out) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    out->bits = uint16_t((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  out->bits = uint16_t(u >> 16);
-}
+inline void from_f32(float x, BF16* out) { *out = to_bf16(x); }
 
 // 8-bit floats as stored in the cache (scale 1), decoded through a table of all 256 values.
 struct F8E4M3 {  // float8_e4m3fn: no infinities, S.1111.111 is NaN, max 448
@@ -170,6 +121,7 @@ std::array<float, 256> fp8_table(int exp_bits, int mant_bits, bool fn) {
 const std::array<float, 256> kE4M3 = fp8_table(4, 3, /*fn=*/true);
 const std::array<float, 256> kE5M2 = fp8_table(5, 2, /*fn=*/false);
 
+using jaxrunner_simd::to_f32;  // beside the 8-bit overloads below, not hidden by them
 inline float to_f32(F8E4M3 x) { return kE4M3[x.bits]; }
 inline float to_f32(F8E5M2 x) { return kE5M2[x.bits]; }
 
@@ -189,14 +141,7 @@ struct QueryType<F8E5M2> {
 
 // kLanes consecutive elements as floats.
 JR_INLINE vf load_row(const float* p) { return load(p); }
-JR_INLINE vf load_row(const BF16* p) {
-  typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
-  typedef uint32_t vu32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-  const vu32 bits = __builtin_convertvector(*reinterpret_cast<const vu16*>(p), vu32) << 16;
-  vf f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+JR_INLINE vf load_row(const BF16* p) { return load(p); }
 template <typename F8>
 JR_INLINE vf load_row(const F8* p) {
   vf f;
