@@ -14,14 +14,10 @@ versions, never between runs of one).
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Iterator
-import functools
 import json
 import os
 from pathlib import Path
 import shutil
-import sysconfig
 from typing import Any
 import uuid
 import zlib
@@ -29,131 +25,16 @@ import zlib
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import (
-    Regex,
-    Tokenizer,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-    trainers,
-)
 
-_COMMON = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=1024,
-    max_position_embeddings=2048,
-    tie_word_embeddings=False,
-)
-
-# name -> config.json entries (before the common entries every config gets, see _hf_config).
-# `rope_form` picks how rope is written: "v4" = rope_theta + rope_scaling, "v5" = rope_parameters.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-llama": dict(
-        _COMMON,
-        architecture="LlamaForCausalLM",
-        rope_form="v4",
-        rope=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                  high_freq_factor=4.0, original_max_position_embeddings=256),
-    ),
-    # YaRN, as Qwen's long-context configs enable it (the positions tests reach are below the
-    # original length, where YaRN's interpolated frequencies and cos/sin scaling still apply).
-    "tiny-qwen2": dict(
-        _COMMON,
-        architecture="Qwen2ForCausalLM",
-        rope_form="v5",
-        rope=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
-                  original_max_position_embeddings=512),
-    ),
-    # head_dim * heads (512) != hidden (256) on purpose: the model must not assume they are equal.
-    "tiny-qwen3": dict(
-        _COMMON,
-        architecture="Qwen3ForCausalLM",
-        num_attention_heads=8,
-        tie_word_embeddings=True,
-        rope_form="v4",
-        rope=dict(rope_type="default", rope_theta=1e6),
-    ),
-    # The benchmark model.
-    "small": dict(
-        architecture="LlamaForCausalLM",
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        rope_form="v4",
-        rope=dict(rope_type="default", rope_theta=500000.0),
-    ),
-}
-
-# Llama's options: biases on q/k/v and o_proj (`attention_bias`) and on the MLP's three
-# (`mlp_bias`), and an activation other than SiLU.
-PRESETS["tiny-llama-options"] = dict(PRESETS["tiny-llama"], attention_bias=True, mlp_bias=True,
-                                     hidden_act="gelu_pytorch_tanh")
-# The benchmark model at Llama-3-8B's depth: start-up must not grow with the layer count.
-PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
-# The benchmark model's shapes with no residual writes (o_proj and down_proj zero, the compute
-# unchanged): the next greedy token is a function of the current one, so greedy output runs
-# into a cycle of that function, and a prompt that holds the cycle is continued by repeating it
-# (the workload n-gram speculation is for; scripts/bench_speculative.py). Random weights have no
-# induction heads, so no other random model repeats its prompt.
-PRESETS["small-repeat"] = dict(PRESETS["small"], residual_write_scale=0.0)
-# A draft model for the benchmark model (its vocabulary, a quarter of its width and depth).
-PRESETS["small-draft"] = dict(PRESETS["small"], hidden_size=256, intermediate_size=704,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-
-# A block-diffusion LM in SDAR's format: Qwen3's network and weight names, config.json's
-# `mask_token_id` (the last vocabulary id) and trained `block_size` (jaxrunner/dllm/).
-PRESETS["tiny-sdar"] = dict(PRESETS["tiny-qwen3"], architecture="SDARForCausalLM",
-                            mask_token_id=_COMMON["vocab_size"] - 1, block_size=4)
-# The benchmark model's shapes as a block-diffusion LM (scripts/bench_dllm.py).
-PRESETS["small-sdar"] = dict(PRESETS["small"], architecture="SDARForCausalLM",
-                             mask_token_id=PRESETS["small"]["vocab_size"] - 1, block_size=4)
-
-# Mixture-of-experts presets: 8 experts, top-2. Experts are written per expert (as transformers 4
-# and 5.24 write them) unless `expert_layout` is "fused" (transformers 5's in-memory form, which
-# it also loads). tiny-qwen3-moe keeps layer 0 dense (`mlp_only_layers`), so its layers form
-# two runs of two kinds; it leaves the top-2 weights unnormalised, Mixtral renormalises them.
-_MOE = dict(num_experts=8, num_experts_per_tok=2)
-PRESETS["tiny-qwen3-moe"] = dict(
-    _COMMON, **_MOE,
-    architecture="Qwen3MoeForCausalLM",
-    num_hidden_layers=3,
-    num_attention_heads=8,
-    moe_intermediate_size=128,
-    norm_topk_prob=False,
-    mlp_only_layers=[0],
-    rope_form="v4",
-    rope=dict(rope_type="default", rope_theta=1e6),
-)
-PRESETS["tiny-qwen3-moe-fused"] = dict(PRESETS["tiny-qwen3-moe"], expert_layout="fused")
-PRESETS["tiny-mixtral"] = dict(
-    _COMMON, **_MOE,
-    architecture="MixtralForCausalLM",
-    num_attention_heads=8,
-    head_dim=32,
-    intermediate_size=128,
-    rope_form="v5",
-    rope=dict(rope_type="default", rope_theta=1e6),
-)
-# The benchmark's MoE model: the "small" model's attention with 8 experts of a third of its MLP.
-PRESETS["small-moe"] = dict(
-    PRESETS["small"], **_MOE,
-    architecture="Qwen3MoeForCausalLM",
-    moe_intermediate_size=512,
-    norm_topk_prob=True,
-    mlp_only_layers=[],
+from models.testing.presets import PRESETS
+from models.testing.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    IM_END_ID,
+    PAD_ID,
+    train_tokenizer,
+    write_json,
+    write_tokenizer,
 )
 
 _MODEL_TYPES = {
@@ -168,23 +49,6 @@ _MODEL_TYPES = {
 # Router weights: logits of std ROUTER_STD, so the top-k rarely sits on a near-tie that float
 # rounding could flip between implementations.
 ROUTER_STD = 4.0
-
-PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
-PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
-# Qwen2's (and, up to digit grouping, Llama 3's) pre-tokenizer split: words, single digits,
-# punctuation runs, newlines, spaces.
-_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 # Weight scales. Inputs to every projection are RMS-normalised, so 1/sqrt(fan_in) keeps
 # activations near unit scale. o_proj and down_proj write RESIDUAL_WRITE_SCALE times that into the
@@ -225,9 +89,9 @@ def make_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = train_tokenizer(spec["vocab_size"])
-    _write_json(out / "config.json", _hf_config(spec, dtype))
-    _write_json(out / "generation_config.json", _generation_config())
-    _write_tokenizer(out, tokenizer, spec["max_position_embeddings"])
+    write_json(out / "config.json", _hf_config(spec, dtype))
+    write_json(out / "generation_config.json", _generation_config())
+    write_tokenizer(out, tokenizer, spec["max_position_embeddings"])
     np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
     _write_weights(out, spec, seed, np_dtype, shards)
     return out
@@ -338,99 +202,6 @@ def _generation_config() -> dict[str, Any]:
     # <|im_end|> ends a chat turn, so generation stops at either end token.
     return {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID,
             "do_sample": False}
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-# --- tokenizer ----------------------------------------------------------------------------------
-
-
-def stdlib_docstring_corpus() -> list[str]:
-    """Docstrings (module, classes, functions) of the stdlib's top-level modules, by module name."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts = []
-    for path in sorted(root.glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        texts.extend(_docstrings(tree))
-    if not texts:
-        raise RuntimeError(f"no docstrings found under {root} to train the tokenizer on")
-    return texts
-
-
-def _docstrings(tree: ast.Module) -> Iterator[str]:
-    nodes = [tree] + [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
-    for node in list(nodes):
-        if isinstance(node, ast.ClassDef):
-            nodes.extend(n for n in node.body if isinstance(n, ast.FunctionDef))
-    for node in nodes:
-        doc = ast.get_docstring(node)
-        if doc:
-            yield doc
-
-
-@functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    # Exactly the pipeline transformers 5's Qwen2Tokenizer rebuilds around vocab + merges (it
-    # ignores the file's normalizer and pre-tokenizer), so every loader tokenizes alike.
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text encodes
-        min_frequency=2,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(stdlib_docstring_corpus(), trainer)
-    # Llama-style: encoding prepends <s>.
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
-    )
-    return tokenizer.to_str()
-
-
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE with at most vocab_size tokens (fewer if the corpus runs out of merges)."""
-    tokenizer = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
-    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
-    return tokenizer
-
-
-def _write_tokenizer(out: Path, tokenizer: Tokenizer, max_length: int) -> None:
-    tokenizer.save(str(out / "tokenizer.json"))
-    added = {
-        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
-        for i, tok in enumerate(SPECIAL_TOKENS)
-    }
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "unk_token": None,
-        "additional_special_tokens": [IM_START, IM_END],
-        "added_tokens_decoder": added,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-    })
-    _write_json(out / "special_tokens_map.json", {
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "additional_special_tokens": [IM_START, IM_END],
-    })
 
 
 # --- weights ------------------------------------------------------------------------------------
@@ -566,7 +337,7 @@ def _write_weights(
         weight_map.update({n: shard for n in group})
         total += sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    _write_json(out / "model.safetensors.index.json", index)
+    write_json(out / "model.safetensors.index.json", index)
 
 
 def _fuse_experts(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -663,6 +434,6 @@ def make_eagle_checkpoint(out_dir: str | Path, algorithm: str, target_preset: st
         config["architectures"] = ["LlamaForCausalLMEagle"]
         shapes.update({"fc.weight": (d, 2 * d), "fc.bias": (d,)})
     tensors.update({name: _init_tensor(name, shape, seed) for name, shape in shapes.items()})
-    _write_json(out / "config.json", config)
+    write_json(out / "config.json", config)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out

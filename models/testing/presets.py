@@ -1,0 +1,119 @@
+"""The random checkpoints' presets: name -> config.json entries (before the entries every config
+gets, `random_checkpoint._hf_config`). `rope_form` picks how rope is written: "v4" = rope_theta +
+rope_scaling, "v5" = rope_parameters."""
+
+from typing import Any
+
+_COMMON = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(
+        _COMMON,
+        architecture="LlamaForCausalLM",
+        rope_form="v4",
+        rope=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_position_embeddings=256),
+    ),
+    # YaRN, as Qwen's long-context configs enable it (the positions tests reach are below the
+    # original length, where YaRN's interpolated frequencies and cos/sin scaling still apply).
+    "tiny-qwen2": dict(
+        _COMMON,
+        architecture="Qwen2ForCausalLM",
+        rope_form="v5",
+        rope=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                  original_max_position_embeddings=512),
+    ),
+    # head_dim * heads (512) != hidden (256) on purpose: the model must not assume they are equal.
+    "tiny-qwen3": dict(
+        _COMMON,
+        architecture="Qwen3ForCausalLM",
+        num_attention_heads=8,
+        tie_word_embeddings=True,
+        rope_form="v4",
+        rope=dict(rope_type="default", rope_theta=1e6),
+    ),
+    # The benchmark model.
+    "small": dict(
+        architecture="LlamaForCausalLM",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_form="v4",
+        rope=dict(rope_type="default", rope_theta=500000.0),
+    ),
+}
+
+# Llama's options: biases on q/k/v and o_proj (`attention_bias`) and on the MLP's three
+# (`mlp_bias`), and an activation other than SiLU.
+PRESETS["tiny-llama-options"] = dict(PRESETS["tiny-llama"], attention_bias=True, mlp_bias=True,
+                                     hidden_act="gelu_pytorch_tanh")
+# The benchmark model at Llama-3-8B's depth: start-up must not grow with the layer count.
+PRESETS["small-32l"] = dict(PRESETS["small"], num_hidden_layers=32)
+# The benchmark model's shapes with no residual writes (o_proj and down_proj zero, the compute
+# unchanged): the next greedy token is a function of the current one, so greedy output runs
+# into a cycle of that function, and a prompt that holds the cycle is continued by repeating it
+# (the workload n-gram speculation is for; scripts/bench_speculative.py). Random weights have no
+# induction heads, so no other random model repeats its prompt.
+PRESETS["small-repeat"] = dict(PRESETS["small"], residual_write_scale=0.0)
+# A draft model for the benchmark model (its vocabulary, a quarter of its width and depth).
+PRESETS["small-draft"] = dict(PRESETS["small"], hidden_size=256, intermediate_size=704,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+# A block-diffusion LM in SDAR's format: Qwen3's network and weight names, config.json's
+# `mask_token_id` (the last vocabulary id) and trained `block_size` (jaxrunner/dllm/).
+PRESETS["tiny-sdar"] = dict(PRESETS["tiny-qwen3"], architecture="SDARForCausalLM",
+                            mask_token_id=_COMMON["vocab_size"] - 1, block_size=4)
+# The benchmark model's shapes as a block-diffusion LM (scripts/bench_dllm.py).
+PRESETS["small-sdar"] = dict(PRESETS["small"], architecture="SDARForCausalLM",
+                             mask_token_id=PRESETS["small"]["vocab_size"] - 1, block_size=4)
+
+# Mixture-of-experts presets: 8 experts, top-2. Experts are written per expert (as transformers 4
+# and 5.24 write them) unless `expert_layout` is "fused" (transformers 5's in-memory form, which
+# it also loads). tiny-qwen3-moe keeps layer 0 dense (`mlp_only_layers`), so its layers form
+# two runs of two kinds; it leaves the top-2 weights unnormalised, Mixtral renormalises them.
+_MOE = dict(num_experts=8, num_experts_per_tok=2)
+PRESETS["tiny-qwen3-moe"] = dict(
+    _COMMON, **_MOE,
+    architecture="Qwen3MoeForCausalLM",
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    moe_intermediate_size=128,
+    norm_topk_prob=False,
+    mlp_only_layers=[0],
+    rope_form="v4",
+    rope=dict(rope_type="default", rope_theta=1e6),
+)
+PRESETS["tiny-qwen3-moe-fused"] = dict(PRESETS["tiny-qwen3-moe"], expert_layout="fused")
+PRESETS["tiny-mixtral"] = dict(
+    _COMMON, **_MOE,
+    architecture="MixtralForCausalLM",
+    num_attention_heads=8,
+    head_dim=32,
+    intermediate_size=128,
+    rope_form="v5",
+    rope=dict(rope_type="default", rope_theta=1e6),
+)
+# The benchmark's MoE model: the "small" model's attention with 8 experts of a third of its MLP.
+PRESETS["small-moe"] = dict(
+    PRESETS["small"], **_MOE,
+    architecture="Qwen3MoeForCausalLM",
+    moe_intermediate_size=512,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+)
