@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from jaxrunner.batch.schedule_batch import Req
 from jaxrunner.dp_attention.worker import DataParallelWorker
-from jaxrunner.scheduler.request_output import fill_vocab_mask
+from jaxrunner.scheduler.grammar_mask import fill_vocab_mask, is_constrained
 from jaxrunner.scheduler.scheduler import Scheduler
 from jaxrunner.worker.model_worker import ModelWorker
 
@@ -102,8 +102,7 @@ class DataParallelScheduler:
     def _vocab_masks(self, batches, worker_batches):
         """Each rank's grammar bitmask (overlap is off, so every token is known), or None when
         no rank has a constrained request."""
-        if not any(b is not None and any(r.grammar is not None for r in b.reqs)
-                   for b in batches):
+        if not any(b is not None and is_constrained(b) for b in batches):
             return None
         vocab = self.dp_worker.worker.vocab_size
         return [fill_vocab_mask(b.reqs if b is not None else [], w.bucket.num_reqs, vocab)

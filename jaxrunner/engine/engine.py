@@ -14,7 +14,9 @@ from jaxrunner.engine.request_factory import RequestFactory
 from jaxrunner.engine.tokenizer import load_tokenizer
 from jaxrunner.runner.compile_guard import CompileMonitor
 from jaxrunner.sampling.grammar import GrammarCache
+from jaxrunner.scheduler.decode import PlainDecode
 from jaxrunner.scheduler.scheduler import Scheduler
+from jaxrunner.speculative.round import SpeculativeRound
 from jaxrunner.speculative.spec_worker import SpeculativeWorker
 from jaxrunner.worker.model_worker import ModelWorker
 from models.config import ModelConfig
@@ -64,7 +66,9 @@ class Engine(EngineLifecycle):
             self.scheduler = DllmScheduler(self.worker, decode_text)
             self._rank_schedulers = [self.scheduler]
         else:
-            self.scheduler = Scheduler(self.worker, decode_text)
+            decode = (PlainDecode() if self.args.speculative_algorithm is None
+                      else SpeculativeRound(self.args.speculative_window))
+            self.scheduler = Scheduler(self.worker, decode_text, decode=decode)
             self._rank_schedulers = [self.scheduler]
         self.weight_version = self.args.weight_version
         cfg = self.model_config
