@@ -47,7 +47,9 @@ class _Block:
 
 
 class DllmScheduler:
-    """Has the verbs and fields of `scheduler.Scheduler` the engine uses."""
+    """The scheduler contract (jaxrunner/scheduler/base.py) for block-diffusion LMs."""
+
+    num_retractions = 0  # admission books every page a request can reach: nothing is retracted
 
     def __init__(self, worker, decode_text: Callable[[list[int]], str] | None = None):
         """`worker`: the `ModelWorker` of a DLLM (`dllm_plan`, `forward_batch_dllm`).
@@ -129,6 +131,11 @@ class DllmScheduler:
     def unfinished_requests(self) -> list[Req]:
         """Every request waiting, prefilling its prompt blocks or generating."""
         return [r for r in self.waiting + self.running if not r.finished]
+
+    def memory_stats(self) -> dict[str, int]:
+        """KV pages and request slots (`KvBookkeeping.memory_stats`) and the waiting
+        requests."""
+        return self.kv.memory_stats() | {"num_requests_waiting": len(self.waiting)}
 
     def add_request(self, req: Req) -> None:
         self.check_request(req)

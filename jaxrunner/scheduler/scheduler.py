@@ -116,6 +116,15 @@ class Scheduler:
         reqs += self.split_prefill.reqs
         return [r for r in dict.fromkeys(reqs) if not r.finished]
 
+    def check_request(self, req: Req) -> None:
+        """Refuses a request this scheduler cannot serve (ValueError); every request a valid
+        engine makes can be served here."""
+
+    def memory_stats(self) -> dict[str, int]:
+        """KV pages and request slots (`KvBookkeeping.memory_stats`) and the waiting
+        requests."""
+        return self.kv.memory_stats() | {"num_requests_waiting": len(self.waiting)}
+
     def add_request(self, req: Req) -> None:
         if req.max_new_tokens == 0 and not req.wants_input_logprobs:
             req.finished_reason = {"type": "length", "length": 0}

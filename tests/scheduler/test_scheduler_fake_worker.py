@@ -259,10 +259,11 @@ def test_a_speculative_window_never_runs_past_the_context():
 
 def test_the_scheduler_imports_nothing_from_jax():
     """The scheduler package and the host sides of the features it runs (the speculative
-    round, split prefill's schedule)."""
+    round, split prefill's schedule, the DP ranks' scheduler)."""
     modules = [f"jaxrunner.scheduler.{p.stem}" for p in SCHEDULER_PACKAGE.glob("*.py")
                if p.stem != "__init__"] + [
-        "jaxrunner.speculative.round", "jaxrunner.split_prefill.schedule"]
+        "jaxrunner.speculative.round", "jaxrunner.split_prefill.schedule",
+        "jaxrunner.dp_attention.scheduler"]
     code = (f"import sys, {', '.join(modules)}\n"
             "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
             "assert not bad, bad")
