@@ -17,7 +17,9 @@ When a block is decided its tokens become the request's output: a stop token (EO
 `ignore_eos`, or `stop_token_ids`) ends the request there, and `max_new_tokens` cuts the block;
 the final block needs no store pass. Admission books every page a request can reach (its prompt
 and max_new_tokens, rounded up to whole blocks), so a running request never waits for pages
-and nothing is retracted. On release the KV of whole blocks goes to the prefix cache.
+and nothing is retracted. On release the KV of whole blocks goes to the prefix cache. The KV
+books and the finish rules are the plain scheduler's (jaxrunner/scheduler/kv_bookkeeping.py,
+finish.py).
 """
 
 from collections.abc import Callable
@@ -30,6 +32,8 @@ from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.dllm.algorithm import DllmInput
 from jaxrunner.mem_cache.radix_cache import RadixCache
+from jaxrunner.scheduler.finish import FinishRules
+from jaxrunner.scheduler.kv_bookkeeping import KvBookkeeping
 from jaxrunner.scheduler.policy import order_waiting
 
 
@@ -43,9 +47,13 @@ class _Block:
 
 
 class DllmScheduler:
-    """Has the verbs and fields of `scheduler.Scheduler` the engine uses."""
+    """The scheduler contract (jaxrunner/scheduler/base.py) for block-diffusion LMs."""
+
+    num_retractions = 0  # admission books every page a request can reach: nothing is retracted
 
     def __init__(self, worker, decode_text: Callable[[list[int]], str] | None = None):
+        """`worker`: the `ModelWorker` of a DLLM (`dllm_plan`, `forward_batch_dllm`).
+        `decode_text` as for `Scheduler` (its finish rules; stop strings are refused here)."""
         self.worker = worker
         args = self.args = worker.args
         plan = worker.dllm_plan
@@ -55,6 +63,9 @@ class DllmScheduler:
         self.req_to_token_pool, self.allocator = worker.get_memory_pool(0)
         self.tree_cache = RadixCache(args.page_size, self.allocator,
                                      disable=args.disable_radix_cache)
+        self.kv = KvBookkeeping(self.req_to_token_pool, self.allocator, self.tree_cache,
+                                args.page_size)
+        self.finish = FinishRules(decode_text)
         # Cached prefixes are whole blocks (a token's KV depends on its whole block) of whole
         # pages.
         self.align = math.lcm(self.block_size, self.page_size)
@@ -92,6 +103,8 @@ class DllmScheduler:
             bad.append("logprobs")
         if req.embed_override is not None:
             bad.append("input embeddings")
+        if req.lora is not None:
+            bad.append("LoRA adapters")
         if bad:
             raise ValueError(f"{', '.join(bad)} not implemented with dllm_algorithm "
                              f"{self.args.dllm_algorithm!r} (it samples by temperature and stops "
@@ -118,6 +131,11 @@ class DllmScheduler:
     def unfinished_requests(self) -> list[Req]:
         """Every request waiting, prefilling its prompt blocks or generating."""
         return [r for r in self.waiting + self.running if not r.finished]
+
+    def memory_stats(self) -> dict[str, int]:
+        """KV pages and request slots (`KvBookkeeping.memory_stats`) and the waiting
+        requests."""
+        return self.kv.memory_stats() | {"num_requests_waiting": len(self.waiting)}
 
     def add_request(self, req: Req) -> None:
         self.check_request(req)
@@ -188,16 +206,12 @@ class DllmScheduler:
                 match = self.tree_cache.match_prefix(req.origin_input_ids, max_tokens=usable)
             # Locking the matched prefix takes its pages out of the evictable ones.
             self.tree_cache.inc_lock_ref(match.node)
-            available = (self.allocator.num_free + self.tree_cache.evictable_pages
-                         - self._outstanding_pages())
+            available = self.kv.available_pages - self._outstanding_pages()
             if self._pages_at_most(req) - len(match.pages) > available:
                 self.tree_cache.dec_lock_ref(match.node)
                 break  # the head of the queue waits rather than being overtaken
             self.waiting.remove(req)
-            req.req_pool_idx = self.req_to_token_pool.alloc_slot()
-            self.req_to_token_pool.append_pages(req.req_pool_idx, match.pages)
-            req.prefix_node, req.num_tree_pages = match.node, len(match.pages)
-            req.num_computed_tokens = req.cached_tokens = match.num_tokens
+            self.kv.take_prefix(req, match)  # never retracted: its cached tokens are the match
             self._booked[req.rid] = self._pages_at_most(req)
             if match.num_tokens == prefill:
                 self._start_block(req, prefill)
@@ -231,15 +245,8 @@ class DllmScheduler:
             self.generating.append(req)
 
     def _allocated(self, reqs, mode, lens) -> ScheduleBatch:
-        batch = ScheduleBatch(reqs, mode, lens, self.req_to_token_pool, self.allocator,
-                              self.page_size)
-        need = batch.pages_needed()
-        if need > self.allocator.num_free:
-            self.tree_cache.evict(need - self.allocator.num_free)
-        if not batch.alloc_kv():
-            raise RuntimeError(f"KV allocation of {need} pages failed after admission booked "
-                               f"them (free {self.allocator.num_free}): scheduler bug")
-        return batch
+        return self.kv.allocate(ScheduleBatch(reqs, mode, lens, self.req_to_token_pool,
+                                              self.allocator, self.page_size))
 
     def _dllm_step(self) -> list[Req]:
         B, reqs = self.block_size, list(self.generating)
@@ -285,17 +292,13 @@ class DllmScheduler:
         return updated
 
     def _append_block(self, req: Req, block: _Block) -> None:
-        """The decided block's generated tokens become output, up to the first stop token or
-        max_new_tokens."""
-        params = req.sampling_params
+        """The decided block's generated tokens become output, up to the first one that
+        finishes the request (a stop token or max_new_tokens: `check_request` refuses the other
+        finish rules' options)."""
         first = max(0, len(req.origin_input_ids) - block.start)  # past the prompt's tail
         for token in block.tokens[first:]:
             req.output_ids.append(token)
-            if (not params.ignore_eos and token in req.eos_token_ids) or (
-                    token in params.stop_token_ids):
-                req.finished_reason = {"type": "stop", "matched": token}
-            elif len(req.output_ids) >= req.max_new_tokens:
-                req.finished_reason = {"type": "length", "length": req.max_new_tokens}
+            self.finish.check(req)
             if req.finished:
                 return
 
@@ -303,18 +306,4 @@ class DllmScheduler:
         """Whole cached blocks go to the prefix cache, the other pages to the allocator."""
         self.blocks.pop(req.rid, None)
         self._booked.pop(req.rid, None)
-        if req.req_pool_idx is None:
-            return
-        pool, ps = self.req_to_token_pool, self.page_size
-        pages = pool.pages(req.req_pool_idx).tolist()
-        whole = req.num_computed_tokens // self.align * self.align // ps
-        if self.tree_cache.disable:
-            self.allocator.free(pages)
-        else:
-            cached = self.tree_cache.insert(req.fill_ids[:whole * ps], pages[:whole]) // ps
-            self.allocator.free(pages[req.num_tree_pages:cached] + pages[whole:])
-        if req.prefix_node is not None:
-            self.tree_cache.dec_lock_ref(req.prefix_node)
-        pool.free_slot(req.req_pool_idx)
-        req.req_pool_idx = req.prefix_node = None
-        req.num_tree_pages = req.num_computed_tokens = 0
+        self.kv.release(req, align=self.align)

@@ -6,7 +6,8 @@ A new request goes to the rank with the least load (fewest running + waiting req
 the lower rank) and stays there. Each `step()`:
 
 1. every rank builds its batch (`Scheduler.get_next_batch`), or none;
-2. all batches run in one SPMD step (`DataParallelWorker`); a rank without a batch is IDLE and
+2. all batches run in one SPMD step (`DataParallelWorker`, jaxrunner/dp_attention/worker.py,
+   built by the engine: this module stays host-only); a rank without a batch is IDLE and
    contributes padding only, because every rank takes part in every step (their projections
    share the mesh);
 3. every rank books and processes its own tokens.
@@ -19,20 +20,20 @@ the device, which needs the per-rank token gather of `ForwardBatch.prepare` over
 from collections.abc import Callable
 
 from jaxrunner.batch.schedule_batch import Req
-from jaxrunner.dp_attention.worker import DataParallelWorker
-from jaxrunner.scheduler.request_output import fill_vocab_mask
+from jaxrunner.scheduler.grammar_mask import fill_vocab_mask, is_constrained
 from jaxrunner.scheduler.scheduler import Scheduler
-from jaxrunner.worker.model_worker import ModelWorker
 
 
 class DataParallelScheduler:
-    """`Scheduler`'s interface (`add_request`, `step`, `abort_request`, `flush_cache`,
-    `has_work`) over the worker's `dp_size` ranks."""
+    """The scheduler contract (jaxrunner/scheduler/base.py) over the `dp_size` ranks of a
+    `DataParallelWorker`."""
 
-    def __init__(self, worker: ModelWorker, decode_text: Callable[[list[int]], str] | None = None):
-        self.dp_worker = DataParallelWorker(worker)
-        self.ranks = [Scheduler(worker, decode_text, dp_rank=r, overlap=False)
-                      for r in range(worker.dp_size)]
+    def __init__(self, dp_worker, decode_text: Callable[[list[int]], str] | None = None):
+        """`dp_worker`: the `DataParallelWorker` (its `worker` is the ModelWorker whose memory
+        pools the ranks book into)."""
+        self.dp_worker = dp_worker
+        self.ranks = [Scheduler(dp_worker.worker, decode_text, dp_rank=r, overlap=False)
+                      for r in range(dp_worker.dp_size)]
         self._rank_of: dict[int, Scheduler] = {}   # rid -> its rank, while it is unfinished
         self.forward_ct = 0                        # joint steps
         self.num_idle_rank_steps = 0               # rank-steps run IDLE while another rank worked
@@ -56,6 +57,15 @@ class DataParallelScheduler:
     @property
     def num_retractions(self) -> int:
         return sum(s.num_retractions for s in self.ranks)
+
+    def check_request(self, req: Req) -> None:
+        """Refuses what a rank's scheduler refuses (ValueError)."""
+        self.ranks[0].check_request(req)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Every rank's `memory_stats`, summed."""
+        stats = [s.memory_stats() for s in self.ranks]
+        return {key: sum(s[key] for s in stats) for key in stats[0]}
 
     def add_request(self, req: Req) -> None:
         """Queues `req` on the least loaded rank."""
@@ -88,8 +98,8 @@ class DataParallelScheduler:
         self.forward_ct += 1
         self.num_idle_rank_steps += len(batches) - active
         worker_batches = self.dp_worker.worker_batches(batches)
-        results = self.dp_worker.forward_batch_generation(worker_batches,
-                                                          self._vocab_masks(batches, worker_batches))
+        masks = self._vocab_masks(batches, worker_batches)
+        results = self.dp_worker.forward_batch_generation(worker_batches, masks)
         updated = []
         for rank, batch, result in zip(self.ranks, batches, results):
             if batch is not None:
@@ -102,8 +112,7 @@ class DataParallelScheduler:
     def _vocab_masks(self, batches, worker_batches):
         """Each rank's grammar bitmask (overlap is off, so every token is known), or None when
         no rank has a constrained request."""
-        if not any(b is not None and any(r.grammar is not None for r in b.reqs)
-                   for b in batches):
+        if not any(b is not None and is_constrained(b) for b in batches):
             return None
         vocab = self.dp_worker.worker.vocab_size
         return [fill_vocab_mask(b.reqs if b is not None else [], w.bucket.num_reqs, vocab)

@@ -9,12 +9,15 @@ from jaxrunner.batch.schedule_batch import Req
 from jaxrunner.config import EngineArgs
 from jaxrunner.dllm.scheduler import DllmScheduler
 from jaxrunner.dp_attention.scheduler import DataParallelScheduler
+from jaxrunner.dp_attention.worker import DataParallelWorker
 from jaxrunner.engine.lifecycle import EngineLifecycle, EngineNotReadyError
 from jaxrunner.engine.request_factory import RequestFactory
 from jaxrunner.engine.tokenizer import load_tokenizer
 from jaxrunner.runner.compile_guard import CompileMonitor
 from jaxrunner.sampling.grammar import GrammarCache
+from jaxrunner.scheduler.decode import PlainDecode
 from jaxrunner.scheduler.scheduler import Scheduler
+from jaxrunner.speculative.round import SpeculativeRound
 from jaxrunner.speculative.spec_worker import SpeculativeWorker
 from jaxrunner.worker.model_worker import ModelWorker
 from models.config import ModelConfig
@@ -58,14 +61,13 @@ class Engine(EngineLifecycle):
             self.compile_monitor.forbid()
         decode_text = self._decode if self.tokenizer else None
         if self.args.dp_size > 1:
-            self.scheduler = DataParallelScheduler(self.worker, decode_text)
-            self._rank_schedulers = self.scheduler.ranks
+            self.scheduler = DataParallelScheduler(DataParallelWorker(self.worker), decode_text)
         elif self.args.dllm_algorithm is not None:
             self.scheduler = DllmScheduler(self.worker, decode_text)
-            self._rank_schedulers = [self.scheduler]
         else:
-            self.scheduler = Scheduler(self.worker, decode_text)
-            self._rank_schedulers = [self.scheduler]
+            decode = (PlainDecode() if self.args.speculative_algorithm is None
+                      else SpeculativeRound(self.args.speculative_window))
+            self.scheduler = Scheduler(self.worker, decode_text, decode=decode)
         self.weight_version = self.args.weight_version
         cfg = self.model_config
         self.grammar_cache = None if self.tokenizer is None else GrammarCache(
@@ -295,16 +297,10 @@ class Engine(EngineLifecycle):
     # ---- lifecycle ----
 
     def memory_stats(self) -> dict:
-        """KV pages and request slots, summed over DP ranks. `kv_pages_free` counts cached
-        prefixes no request holds: they are evicted on demand."""
-        ranks = self._rank_schedulers
-        return {"kv_pages_total": sum(s.allocator.capacity for s in ranks),
-                "kv_pages_free": sum(s.allocator.num_free + s.tree_cache.evictable_pages
-                                     for s in ranks),
-                "kv_pages_cached": sum(s.tree_cache.total_pages for s in ranks),
-                "req_slots_total": sum(s.req_to_token_pool.num_slots for s in ranks),
-                "req_slots_free": sum(s.req_to_token_pool.num_free_slots for s in ranks),
-                "num_requests_waiting": len(self.scheduler.waiting)}
+        """KV pages and request slots, summed over DP ranks, and the waiting requests
+        (`SchedulerContract.memory_stats`). `kv_pages_free` counts cached prefixes no request
+        holds: they are evicted on demand."""
+        return self.scheduler.memory_stats()
 
     # ---- LoRA adapters ----
 
@@ -392,7 +388,6 @@ class Engine(EngineLifecycle):
         self.compile_monitor.close()
         self.worker = None
         self.scheduler = None
-        self._rank_schedulers = []
 
     def __enter__(self):
         return self

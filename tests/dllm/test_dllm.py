@@ -16,10 +16,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
+from jaxrunner.batch.schedule_batch import Req
 from jaxrunner.config import EngineArgs
+from jaxrunner.dllm.plan import DllmPlan
+from jaxrunner.dllm.scheduler import DllmScheduler
+from jaxrunner.sampling.params import SamplingParams
 from tests.dllm.dllm_reference import Qwen3Reference, generate
 from tests.engine.test_engine import CompileCounter, _all_pages_free
 from tests.engine.test_engine import test_no_executable_copies_the_kv_cache as check_no_kv_copies
+from tests.scheduler.fake_worker import FakeWorker
 
 BLOCK, STEPS, THRESHOLD, MASK = 4, 3, 0.9, 1023
 
@@ -152,6 +157,18 @@ def test_unsupported_options_are_refused_and_the_engine_keeps_serving(engine, pa
                                                              "ignore_eos": True})
     assert len(out["output_ids"]) == 4
     assert not engine.scheduler.has_work and _all_pages_free(engine)
+
+
+def test_a_request_under_a_lora_adapter_is_refused_by_name():
+    """The scheduler pins no adapter slot: the request would run the base model."""
+    worker = FakeWorker.create()
+    worker.dllm_plan = DllmPlan(block_size=BLOCK, mask_id=MASK, threshold=THRESHOLD,
+                                steps_per_block=STEPS)
+    req = Req(rid=0, origin_input_ids=[1, 2, 3], seed=0, max_new_tokens=4,
+              sampling_params=SamplingParams(max_new_tokens=4).normalized(),
+              eos_token_ids=frozenset(), lora=object())
+    with pytest.raises(ValueError, match="LoRA adapters not implemented with dllm_algorithm"):
+        DllmScheduler(worker).check_request(req)
 
 
 def test_no_executable_copies_the_kv_cache(engine):

@@ -84,7 +84,7 @@ class FakeResult:
 @dataclass
 class FakeWorker:
     """`ModelWorker`'s verbs: `args`, `get_memory_pool`, `pick_bucket`,
-    `forward_batch_generation`."""
+    `forward_batch_generation`, `lora_registry` (None: no LoRA) and split prefill's."""
 
     args: EngineArgs
     num_pages: int
@@ -93,6 +93,7 @@ class FakeWorker:
     batches: list[ModelWorkerBatch] = field(default_factory=list)
     masks: list[np.ndarray] = field(default_factory=list)  # the bitmasks asked for, in order
     num_layers: int = 4
+    lora_registry: object = None
     # What each launch ran, in order: a batch's mode name, or ("RANGE", end) for a split range.
     events: list = field(default_factory=list)
 

@@ -4,20 +4,24 @@ second and without jax. The tokens must equal the fake model's reference, so any
 prefix or position shows."""
 
 import itertools
+from pathlib import Path
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import jaxrunner.scheduler
 from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req
 from jaxrunner.mem_cache.memory_pool import DUMMY_PAGE
 from jaxrunner.sampling.params import SamplingParams
 from jaxrunner.scheduler.scheduler import Scheduler
+from jaxrunner.speculative.round import SpeculativeRound
 from tests.scheduler.fake_worker import FakeSpecWorker, FakeWorker, reference_tokens
 
 _rids = itertools.count()
+SCHEDULER_PACKAGE = Path(jaxrunner.scheduler.__file__).parent
 
 
 def make_req(prompt, max_new_tokens, priority=0):
@@ -198,7 +202,7 @@ def held_pages_match_the_kv(scheduler):
 def test_speculative_rounds_under_kv_pressure_retract_and_lose_no_token():
     worker = FakeSpecWorker.create(num_pages=41, schedule_conservativeness=0.0,
                                    max_running_requests=12, chunked_prefill_size=16)
-    scheduler = Scheduler(worker)
+    scheduler = Scheduler(worker, decode=SpeculativeRound(worker.speculative_window))
     reqs = [make_req(p, 24) for p in random_prompts(12, 10, 30, seed=1)]
     for req in reqs:
         scheduler.add_request(req)
@@ -217,7 +221,7 @@ def test_speculative_rounds_under_kv_pressure_retract_and_lose_no_token():
 
 def test_abort_between_speculative_rounds_frees_everything_and_spares_the_others():
     worker = FakeSpecWorker.create(max_prefill_tokens=32, chunked_prefill_size=16)
-    scheduler = Scheduler(worker)
+    scheduler = Scheduler(worker, decode=SpeculativeRound(worker.speculative_window))
     prompts = random_prompts(3, 8, 12, seed=2)
     running, survivor = make_req(prompts[0], 40), make_req(prompts[1], 30)
     chunked = make_req(random_prompts(1, 80, 80, seed=3)[0], 4)
@@ -243,7 +247,7 @@ def test_a_speculative_window_never_runs_past_the_context():
     # 40 pages of 4 tokens per request: a 150-token prompt has 10 slots left, fewer than the
     # rounds would take at 4 tokens each, so the last rounds' windows are cut to their slots.
     worker = FakeSpecWorker(FakeWorker.create().args, 512, context_len=160, miss=0.0)
-    scheduler = Scheduler(worker)
+    scheduler = Scheduler(worker, decode=SpeculativeRound(worker.speculative_window))
     req = make_req(random_prompts(1, 150, 150, seed=10)[0], 10)
     run_all(scheduler, [req])
     assert_reference([req])
@@ -254,7 +258,13 @@ def test_a_speculative_window_never_runs_past_the_context():
 
 
 def test_the_scheduler_imports_nothing_from_jax():
-    code = ("import sys, jaxrunner.scheduler.scheduler, jaxrunner.scheduler.policy\n"
+    """The scheduler package and the host sides of the features it runs (the speculative
+    round, split prefill's schedule, the DP ranks' scheduler)."""
+    modules = [f"jaxrunner.scheduler.{p.stem}" for p in SCHEDULER_PACKAGE.glob("*.py")
+               if p.stem != "__init__"] + [
+        "jaxrunner.speculative.round", "jaxrunner.split_prefill.schedule",
+        "jaxrunner.dp_attention.scheduler"]
+    code = (f"import sys, {', '.join(modules)}\n"
             "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

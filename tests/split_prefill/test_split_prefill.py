@@ -79,9 +79,9 @@ def test_abort_mid_split_leaves_the_others_exact_and_frees_every_page(split, pla
         while not split.scheduler.running:
             split.step()
         others = [split.add_request(p, params) for p, _ in ABORT[1:]]
-        while split.scheduler.split is None:
+        while not split.scheduler.split_prefill.in_progress:
             split.step()
-        victim = next(r for r in others if r in split.scheduler.split.reqs)
+        victim = next(r for r in others if r in split.scheduler.split_prefill.reqs)
         split.abort_request(victim)
         _run(split, [first] + others)
     assert counter.count == 0

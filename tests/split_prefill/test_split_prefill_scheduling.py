@@ -82,7 +82,7 @@ def test_abort_mid_split_frees_its_pages_at_once_and_the_rest_finish(overlap):
     split_reqs = [make_req(p, 5) for p in random_prompts(3, 15, 20, seed=4)]
     for req in split_reqs:
         scheduler.add_request(req)
-    while scheduler.split is None:
+    while not scheduler.split_prefill.in_progress:
         scheduler.step()
     free = scheduler.allocator.num_free
     victim = split_reqs[1]
@@ -106,11 +106,11 @@ def test_aborting_every_request_of_a_split_stops_its_ranges():
         scheduler.step()
     req = make_req(random_prompts(1, 40, 40, seed=6)[0], 5)
     scheduler.add_request(req)
-    while scheduler.split is None:
+    while not scheduler.split_prefill.in_progress:
         scheduler.step()
     ranges = sum(isinstance(e, tuple) for e in worker.events)
     scheduler.abort_request(req)
-    assert scheduler.split is None
+    assert not scheduler.split_prefill.in_progress
     run_all(scheduler, [])
     assert sum(isinstance(e, tuple) for e in worker.events) == ranges
     assert_reference([runner])
@@ -131,7 +131,7 @@ def test_decode_out_of_pages_retracts_the_split_first_and_nothing_is_lost():
     assert free * 4 <= 64
     late = make_req(random_prompts(1, free * 4, free * 4, seed=8)[0], 4)
     scheduler.add_request(late)
-    while scheduler.split is None:
+    while not scheduler.split_prefill.in_progress:
         scheduler.step()
     assert scheduler.allocator.num_free == 0
     run_all(scheduler, [])

@@ -1,0 +1,118 @@
+"""A scheduler's KV books (host only, no jax): which request slot and KV pages each admitted
+request holds, and what goes to the radix (prefix) cache when it leaves. Shared by the plain and
+the block-diffusion schedulers, which differ only in how much of a request's KV the cache may
+keep (`align`: whole pages, or whole blocks of whole pages).
+
+A request's slot starts with the pages of its longest cached prefix (the tree's, locked while it
+holds them: `num_tree_pages`), then its own pages. On release the whole pages of its known tokens
+go into the tree (where the tree already had some, ours are duplicates and are freed), the rest
+back to the allocator.
+"""
+
+from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
+from jaxrunner.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
+from jaxrunner.mem_cache.radix_cache import MatchResult, RadixCache
+
+
+class KvBookkeeping:
+    """The KV books over one memory pool (a DP rank's own): its request slots
+    (`req_to_token_pool`), page `allocator` and prefix cache (`tree_cache`)."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PageAllocator,
+                 tree_cache: RadixCache, page_size: int):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.page_size = page_size
+
+    @property
+    def available_pages(self) -> int:
+        """Pages free now or on demand (cached prefixes no request holds)."""
+        return self.allocator.num_free + self.tree_cache.evictable_pages
+
+    def take_prefix(self, req: Req, match: MatchResult) -> None:
+        """Gives `req` a slot whose first pages are the matched (and locked) prefix."""
+        req.req_pool_idx = self.req_to_token_pool.alloc_slot()
+        self.req_to_token_pool.append_pages(req.req_pool_idx, match.pages)
+        req.prefix_node = match.node
+        req.num_tree_pages = len(match.pages)
+        req.num_computed_tokens = match.num_tokens
+        if req.num_retractions == 0:
+            req.cached_tokens = match.num_tokens
+
+    def cache_prefilled(self, req: Req) -> None:
+        """Shares a freshly prefilled prompt at once (SGLang's cache_unfinished_req): its whole
+        pages go into the prefix cache, so requests with the same prefix that arrive while this
+        one still decodes reuse them. Where the tree already held some of them (another request
+        got there first), the request switches to the tree's pages and frees its duplicates."""
+        if self.tree_cache.disable:
+            return
+        pool, ps = self.req_to_token_pool, self.page_size
+        known = req.cache_key(req.fill_ids)
+        whole = req.cacheable(min(req.num_computed_tokens, len(known))) // ps
+        if whole <= req.num_tree_pages:
+            return
+        pages = pool.pages(req.req_pool_idx).tolist()
+        cached = self.tree_cache.insert(known[:whole * ps], pages[:whole]) // ps
+        match = self.tree_cache.match_prefix(known[:whole * ps])
+        self.allocator.free(pages[req.num_tree_pages:cached])  # duplicates of the tree's pages
+        pool.page_table[req.req_pool_idx, :whole] = match.pages
+        self.tree_cache.inc_lock_ref(match.node)
+        if req.prefix_node is not None:
+            self.tree_cache.dec_lock_ref(req.prefix_node)
+        req.prefix_node, req.num_tree_pages = match.node, whole
+
+    def release(self, req: Req, align: int | None = None) -> None:
+        """Returns a request's KV: the known tokens' whole multiples of `align` tokens (default:
+        whole pages; a multiple of the page size) go to the prefix cache, the rest to the
+        allocator; its lock on the matched prefix and its slot are given up."""
+        if req.req_pool_idx is None:
+            return
+        pool, ps = self.req_to_token_pool, self.page_size
+        align = ps if align is None else align
+        pages = pool.pages(req.req_pool_idx).tolist()
+        known = req.cache_key(req.fill_ids)
+        whole = req.cacheable(min(req.num_computed_tokens, len(known))) // align * align // ps
+        if self.tree_cache.disable:
+            self.allocator.free(pages)
+        else:
+            cached = self.tree_cache.insert(known[:whole * ps], pages[:whole]) // ps
+            # The tree had pages [:cached] already (ours for [num_tree_pages:cached] are
+            # duplicates) and now keeps [cached:whole]; a partial last page is ours to free.
+            self.allocator.free(pages[req.num_tree_pages:cached] + pages[whole:])
+        if req.prefix_node is not None:
+            self.tree_cache.dec_lock_ref(req.prefix_node)
+        pool.free_slot(req.req_pool_idx)
+        req.req_pool_idx = req.prefix_node = req.sampling_slot = None
+        req.num_tree_pages = req.num_computed_tokens = 0
+
+    def keep_pages(self, req: Req, num_pages: int) -> None:
+        """Gives back the request's pages past its first `num_pages`."""
+        self.allocator.free(self.req_to_token_pool.truncate(req.req_pool_idx, num_pages))
+
+    def free_after_eviction(self, need: int) -> int:
+        """Free pages, after evicting cached prefixes to reach `need` where they can."""
+        free = self.allocator.num_free
+        if need > free:
+            self.tree_cache.evict(need - free)
+        return self.allocator.num_free
+
+    def allocate(self, batch: ScheduleBatch) -> ScheduleBatch:
+        """Gives `batch` its KV pages (evicting cached prefixes as needed); admission booked
+        them, so a failure is a scheduler bug (RuntimeError)."""
+        need = batch.pages_needed()
+        self.free_after_eviction(need)
+        if not batch.alloc_kv():
+            raise RuntimeError(f"KV allocation of {need} pages failed after admission "
+                               f"(free {self.allocator.num_free}): scheduler bug")
+        return batch
+
+    def memory_stats(self) -> dict[str, int]:
+        """KV pages and request slots. `kv_pages_free` counts cached prefixes no request holds:
+        they are evicted on demand."""
+        pool = self.req_to_token_pool
+        return {"kv_pages_total": self.allocator.capacity,
+                "kv_pages_free": self.available_pages,
+                "kv_pages_cached": self.tree_cache.total_pages,
+                "req_slots_total": pool.num_slots,
+                "req_slots_free": pool.num_free_slots}
