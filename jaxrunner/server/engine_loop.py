@@ -49,14 +49,18 @@ class Delta:
     logprobs: list[float]
     # Per new token, its (logprob, token id) alternatives, when the request asked for them.
     top_logprobs: list = dataclasses.field(default_factory=list)
-    finished_reason: dict | None = None
-    stopped_text: str | None = None
-    weight_version: str | None = None  # of the weights the request ran on (when finished)
-    # In the finishing delta: the prompt tokens served from the prefix cache, and the prompt's
-    # (logprob, top alternatives) per position when asked for (None before logprob_start_len).
+    # Prompt tokens served from the prefix cache (known once admitted), and the version of the
+    # weights the engine holds.
     cached_tokens: int = 0
+    weight_version: str | None = None
+    # Once, when computed (with logprob_start_len >= 0): the prompt's logprob and top
+    # alternatives per position (None before logprob_start_len).
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    # In the finishing delta:
+    finished_reason: dict | None = None
+    stopped_text: str | None = None
+    spec_verify_ct: int = 0        # speculative verify rounds
 
 
 class EngineError(RuntimeError):
@@ -99,6 +103,7 @@ class _Track:
     index: int
     sent: int = 0                  # output tokens already handed out
     last_token_time: float | None = None
+    sent_input_logprobs: bool = False
 
 
 @dataclasses.dataclass
@@ -222,12 +227,6 @@ class EngineLoop:
                     self._abort_all(out)
             elif cmd == "abort_all":
                 self._abort_all(out)
-            elif cmd == "call":
-                fn, future = group
-                try:
-                    out.append((future.set_result, fn(self.engine)))
-                except Exception as e:  # the caller gets it; the engine keeps serving
-                    out.append((future.set_exception, e))
             elif cmd == "abort":
                 for req in group.reqs:
                     if not req.finished:
@@ -285,34 +284,47 @@ class EngineLoop:
             track = self._tracks.get(req)
             if track is None:
                 continue
-            new_ids = req.output_ids[track.sent:]
-            new_lps = req.output_logprobs[track.sent:] if req.return_logprob else []
-            if self.metrics and new_ids:
-                if track.sent == 0:
-                    self.metrics.ttft.observe(now - track.group.arrival)
-                else:
-                    self.metrics.itl.observe(now - track.last_token_time)
-                self.metrics.generation_tokens.inc(len(new_ids))
-            track.sent += len(new_ids)
+            sent = track.sent
+            delta = self._delta(req, track)
+            if self.metrics:
+                self._observe(req, track, sent, now)
             track.last_token_time = now
-            tops = getattr(req, "output_top_logprobs", None)
-            delta = Delta(track.index, new_ids, new_lps,
-                          list(tops[track.sent - len(new_ids):track.sent]) if tops else [])
             if req.finished:
-                delta.finished_reason = dict(req.finished_reason)
-                delta.stopped_text = req.stopped_text
-                delta.weight_version = self.engine.weight_version
-                delta.cached_tokens = getattr(req, "cached_tokens", 0)
-                if getattr(req, "input_token_logprobs", None) is not None:
-                    delta.input_logprobs = list(req.input_token_logprobs)
-                    delta.input_top_logprobs = list(req.input_top_logprobs)
                 del self._tracks[req]
-                if self.metrics:
-                    self.metrics.observe_finished(req.finished_reason["type"],
-                                                  len(req.origin_input_ids),
-                                                  now - track.group.arrival,
-                                                  len(req.output_ids), req.spec_verify_ct)
             out.append((track.group.queue.put_nowait, delta))
+
+    def _delta(self, req, track: _Track) -> Delta:
+        """What `req` got since its previous delta; advances `track`."""
+        start, track.sent = track.sent, len(req.output_ids)
+        delta = Delta(track.index, req.output_ids[start:],
+                      req.output_logprobs[start:] if req.return_logprob else [],
+                      req.output_top_logprobs[start:] if req.top_logprobs_num else [],
+                      cached_tokens=req.cached_tokens,
+                      weight_version=self.engine.weight_version)
+        if (not track.sent_input_logprobs and req.input_token_logprobs is not None
+                and (req.input_logprobs_done or req.finished)):
+            track.sent_input_logprobs = True
+            delta.input_logprobs = list(req.input_token_logprobs)
+            delta.input_top_logprobs = list(req.input_top_logprobs)
+        if req.finished:
+            delta.finished_reason = dict(req.finished_reason)
+            delta.stopped_text = req.stopped_text
+            delta.spec_verify_ct = req.spec_verify_ct
+        return delta
+
+    def _observe(self, req, track: _Track, sent: int, now: float) -> None:
+        """Token latencies and counts; a finished request's totals."""
+        new = len(req.output_ids) - sent
+        if new:
+            if sent == 0:
+                self.metrics.ttft.observe(now - track.group.arrival)
+            else:
+                self.metrics.itl.observe(now - track.last_token_time)
+            self.metrics.generation_tokens.inc(new)
+        if req.finished:
+            self.metrics.observe_finished(req.finished_reason["type"], len(req.origin_input_ids),
+                                          now - track.group.arrival, len(req.output_ids),
+                                          req.spec_verify_ct)
 
     def _abort_all(self, out: list) -> None:
         for req in list(self._tracks):

@@ -154,18 +154,21 @@ class Result:
     cached_tokens: int = 0
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    spec_verify_ct: int = 0
 
     def add(self, delta: Delta) -> None:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.top_logprobs += delta.top_logprobs
+        self.cached_tokens = delta.cached_tokens
+        self.weight_version = delta.weight_version
+        if delta.input_logprobs is not None:
+            self.input_logprobs = delta.input_logprobs
+            self.input_top_logprobs = delta.input_top_logprobs
         if delta.finished_reason is not None:
             self.finished_reason = delta.finished_reason
             self.stopped_text = delta.stopped_text
-            self.weight_version = delta.weight_version
-            self.cached_tokens = delta.cached_tokens
-            self.input_logprobs = delta.input_logprobs
-            self.input_top_logprobs = delta.input_top_logprobs
+            self.spec_verify_ct = delta.spec_verify_ct
 
     def text(self, tokenizer) -> str | None:
         return None if tokenizer is None else final_text(tokenizer, self.token_ids,
