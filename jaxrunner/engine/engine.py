@@ -41,8 +41,15 @@ class Engine(EngineLifecycle):
     ```
     Arguments are the fields of `EngineArgs`; `engine.args` holds them with every limit left
     out resolved for this machine (jaxrunner/defaults.py). Memory release and weight updates
-    for RL rollouts: `EngineLifecycle` (jaxrunner/engine/lifecycle.py).
+    for RL rollouts: `EngineLifecycle` (jaxrunner/engine/lifecycle.py). A server drives it
+    through `ServingEngine` (jaxrunner/engine/base.py).
     """
+
+    # The contract's facts (jaxrunner/engine/base.py), set at start-up.
+    args: EngineArgs
+    model_config: ModelConfig
+    tokenizer: object
+    weight_version: str
 
     def __init__(self, **kwargs):
         args = EngineArgs.from_kwargs(**kwargs)

@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 
+from jaxrunner.engine.base import EngineDeadError, ServingEngine
 from jaxrunner.engine.lifecycle import EngineNotReadyError
 from jaxrunner.server.metrics import ServerMetrics
 
@@ -110,7 +111,7 @@ class _Track:
 class _Call:
     """An engine call waiting for the engine to have no request left."""
 
-    fn: object                     # fn(engine) -> result
+    fn: object                     # fn(engine: ServingEngine) -> result
     future: asyncio.Future
     abort_all_requests: bool
     when_idle: bool
@@ -119,7 +120,7 @@ class _Call:
 class EngineLoop:
     """Owns the engine on a thread of its own. `start(loop)`, `submit`, `abort`, `stop`."""
 
-    def __init__(self, engine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: ServingEngine, metrics: ServerMetrics | None = None):
         self.engine = engine
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -185,10 +186,11 @@ class EngineLoop:
     # ---- engine thread ----
 
     def _run(self) -> None:
+        out: list = []
         try:
             while True:
                 block = not self.engine.has_unfinished_requests and not self._calls
-                out: list = []
+                out = []
                 if not self._handle_commands(block, out):
                     self._abort_all(out)
                     self._fail_calls(EngineError("the server is shutting down"), out)
@@ -200,10 +202,10 @@ class EngineLoop:
                     self._deliver(self.engine.step(), out)
                 self._publish_stats()
                 self._send(out)
-        except Exception:
-            self.error = "engine step failed:\n" + traceback.format_exc()
+        except Exception:  # a step failed, or a call left the engine dead
+            self.error = "the engine failed:\n" + traceback.format_exc()
             log.error(self.error)
-            self._fail_all(EngineError("the engine failed; see the server log"))
+            self._fail_all(EngineError("the engine failed; see the server log"), out)
 
     def _handle_commands(self, block: bool, out: list) -> bool:
         """Runs queued commands (waiting for one if `block`); False on "stop"."""
@@ -245,6 +247,9 @@ class EngineLoop:
     def _run_call(self, call: _Call, out: list) -> None:
         try:
             out.append((call.future.set_result, call.fn(self.engine)))
+        except EngineDeadError as e:  # the caller gets it, and the loop ends
+            out.append((call.future.set_exception, e))
+            raise
         except Exception as e:  # the caller's to answer; the engine keeps serving
             out.append((call.future.set_exception, e))
         self._deliver([r for r in self._tracks if r.finished], out)
@@ -331,8 +336,10 @@ class EngineLoop:
             self.engine.abort_request(req)
         self._deliver(list(self._tracks), out)
 
-    def _fail_all(self, error: BaseException) -> None:
-        out = [(t.group.queue.put_nowait, error) for t in self._tracks.values()]
+    def _fail_all(self, error: BaseException, out: list) -> None:
+        """Fails everything waiting on the loop, after sending `out` (what this iteration did
+        before the failure)."""
+        out += [(t.group.queue.put_nowait, error) for t in self._tracks.values()]
         self._tracks.clear()
         self._fail_calls(error, out)
         self._send(out)
