@@ -2,7 +2,7 @@
 
 `jaxrunner.parallel.multihost.initialize` joins the processes with `jax.distributed.initialize`,
 after which `jax.devices()` lists every process's devices and the engine's mesh
-(jaxrunner/parallel/mesh.py) spans them all: XLA runs the collectives, nothing here moves tensors.
+(jaxrunner/parallel/mesh.py) spans them all: XLA runs the model's collectives.
 What must stay in step is the host side: every process has to launch the same compiled program
 with the same inputs. Rank 0 takes the requests and, before each step, broadcasts what changed
 (new requests, aborts) to the others; every rank then runs the same deterministic scheduler, so
@@ -11,11 +11,18 @@ all of them build the same batches.
 A lifecycle verb (flush the prefix cache, update or read weights, release or resume memory,
 load or unload a LoRA adapter, start or stop the expert recorder) is a step of its own: rank 0
 broadcasts it in place of a step, every rank runs it at that same point of the sequence, and
-then the ranks compare what came out (the result or error, the memory facts, the weight version)
-in one all-gather, which is also the barrier: rank 0 returns only once every rank has done it.
+then the ranks compare what came out (the result or the error's type, the memory facts, the
+weight version) in one all-gather of digests, which is also the barrier: rank 0 returns only
+once every rank has done it. An error every rank raised alike reaches rank 0's caller, and
+serving goes on.
 A rank whose outcome differs from rank 0's no longer holds the same state, and the next step
 would compute garbage or hang in a collective: every rank raises `EngineDeadError` naming the
-verb and the ranks (a follower's process exits; the leader's server stops serving).
+verb and the ranks (a follower's process exits; the leader's server stops serving). A verb that
+fails on one rank before a device program the others run (a weight read, a layer write) leaves
+them waiting in that program's collective instead: the check cannot reach them there.
+`update_weights_from_tensor` sends rank 0's tensors to the others in the broadcast, pickled in
+its chunks like the requests (for whole models, `update_weights_from_disk` reads each host's
+own copy and sends nothing).
 
     engine = Engine(model_path=..., tp_size=8, dist_init_addr="10.0.0.1:5000", nnodes=2,
                     node_rank=rank)
@@ -109,7 +116,7 @@ class LockstepEngine:
     """
 
     def __init__(self, engine: Engine):
-        self.engine = engine
+        self._engine = engine
         self.is_leader = jax.process_index() == 0
         self._pending = StepMessage()
         self._reqs: dict[int, Req] = {}   # followers: rid -> their copy of the request
@@ -125,56 +132,56 @@ class LockstepEngine:
 
     @property
     def args(self):
-        return self.engine.args
+        return self._engine.args
 
     @property
     def model_config(self):
-        return self.engine.model_config
+        return self._engine.model_config
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._engine.tokenizer
 
     @property
     def context_len(self) -> int:
-        return self.engine.context_len
+        return self._engine.context_len
 
     @property
     def weight_version(self) -> str:
-        return self.engine.weight_version
+        return self._engine.weight_version
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests
+        return self._engine.has_unfinished_requests
 
     def memory_stats(self) -> dict:
-        return self.engine.memory_stats()
+        return self._engine.memory_stats()
 
     def loaded_lora_adapters(self) -> dict[str, str]:
-        return self.engine.loaded_lora_adapters()
+        return self._engine.loaded_lora_adapters()
 
     # ---- the leader: requests ----
 
     def make_request(self, input_ids: list[int], sampling_params=None, input_embeds=None,
                      **options) -> Req:
         """Validates on rank 0 only: the request reaches the others whole, when enqueued."""
-        return self.engine.make_request(input_ids, sampling_params, input_embeds, **options)
+        return self._engine.make_request(input_ids, sampling_params, input_embeds, **options)
 
     def add_request(self, input_ids, sampling_params=None, return_logprob=False,
                     **options) -> Req:
         self._check_leading()
-        req = self.engine.add_request(input_ids, sampling_params, return_logprob, **options)
+        req = self._engine.add_request(input_ids, sampling_params, return_logprob, **options)
         self._pending.add.append(req)
         return req
 
     def enqueue(self, req: Req) -> None:
         """Queues a request from `make_request` here and, at the next step, on every rank."""
         self._check_leading()
-        self.engine.enqueue(req)
+        self._engine.enqueue(req)
         self._pending.add.append(req)
 
     def abort_request(self, req: Req) -> None:
-        self.engine.abort_request(req)
+        self._engine.abort_request(req)
         self._pending.abort.append(req.rid)
 
     def step(self) -> list[Req]:
@@ -182,7 +189,7 @@ class LockstepEngine:
         self._check_leading()
         message, self._pending = self._pending, StepMessage()
         broadcast_message(message)
-        return self.engine.step()
+        return self._engine.step()
 
     def generate(self, input_ids, sampling_params) -> list[dict]:
         """Token-id prompts (a list of lists) -> one output dict per prompt, as `Engine`."""
@@ -191,7 +198,7 @@ class LockstepEngine:
         reqs = [self.add_request(ids, p) for ids, p in zip(input_ids, params)]
         while not all(r.finished for r in reqs):
             self.step()
-        return [self.engine.output(r) for r in reqs]
+        return [self._engine.output(r) for r in reqs]
 
     # ---- the leader: lifecycle verbs, run on every rank ----
 
@@ -241,13 +248,13 @@ class LockstepEngine:
 
     def dump_expert_distribution_record(self, path: str | None = None) -> dict:
         """Rank 0's record (it reads the counts back; every rank holds the same)."""
-        return self.engine.dump_expert_distribution_record(path)
+        return self._engine.dump_expert_distribution_record(path)
 
     def shutdown(self) -> None:
         """Releases the followers (leader only), then shuts the engine down."""
         if self.is_leader and self._dead is None:
             broadcast_message(StepMessage(stop=True))
-        self.engine.shutdown()
+        self._engine.shutdown()
 
     def _run_everywhere(self, verb: str, *args):
         """Broadcasts `verb` (after what changed since the last step) and runs it here."""
@@ -276,18 +283,18 @@ class LockstepEngine:
         while True:
             message = broadcast_message(None)
             if message.stop:
-                self.engine.shutdown()
+                self._engine.shutdown()
                 return
             for req in message.add:
                 if req.grammar is not None:  # pickled as its key: rebuilt from our cache
-                    req.grammar = self.engine.grammar_cache.rebuild(req.grammar)
+                    req.grammar = self._engine.grammar_cache.rebuild(req.grammar)
                 self._reqs[req.rid] = req
-                self.engine.enqueue(req)
+                self._engine.enqueue(req)
             for rid in message.abort:
                 if rid in self._reqs:  # else it finished here before the leader aborted it
-                    self.engine.abort_request(self._reqs[rid])
+                    self._engine.abort_request(self._reqs[rid])
             if message.call is None:
-                self.engine.step()
+                self._engine.step()
             else:
                 _, error = self._run_call(message.call)
                 if error is not None:  # as on rank 0, whose caller gets it
@@ -307,19 +314,21 @@ class LockstepEngine:
     def _run_call(self, call: EngineCall) -> tuple[object, Exception | None]:
         """Runs `call` here, then checks every rank came out the same: (result, error)."""
         try:
-            result, error = _LOCKSTEP_VERBS[call.verb](self.engine, *call.args), None
+            result, error = _LOCKSTEP_VERBS[call.verb](self._engine, *call.args), None
         except Exception as e:  # the same on every rank: the leader's caller gets it
             result, error = None, e
-        outcome = (call.verb, "raised" if error else "returned",
-                   f"{type(error).__name__}: {error}" if error else result,
-                   self.engine.memory_stats(), self.engine.weight_version)
-        digests = gather_digests(zlib.crc32(pickle.dumps(outcome)))
+        # An error counts by its type: its message may list a set, whose order is per process.
+        outcome = {"returned": result} if error is None else {"raised": type(error).__name__}
+        outcome.update(memory=self._engine.memory_stats(),
+                       weight_version=self._engine.weight_version)
+        digests = gather_digests(zlib.crc32(pickle.dumps((call.verb, outcome))))
         differ = np.flatnonzero(digests != digests[0]).tolist()
         if differ:
+            here = f"{error!r}" if error is not None else f"{result!r:.300}"
             self._dead = (f"{call.verb} came out differently on rank(s) {differ} than on rank "
                           f"0; the hosts no longer hold the same state. Here (rank "
-                          f"{jax.process_index()}): {outcome[1]} {outcome[2]!r:.300}, memory "
-                          f"{outcome[3]}, weight version {outcome[4]!r}")
+                          f"{jax.process_index()}): {here}, memory {outcome['memory']}, weight "
+                          f"version {outcome['weight_version']!r}")
             log.error(self._dead)
             raise EngineDeadError(self._dead) from error
         return result, error

@@ -38,7 +38,7 @@ def main(spec: dict) -> dict:
         params = {"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0,
                   "ignore_eos": True}
         if kwargs.get("nnodes", 1) > 1:  # one run per process
-            return multihost_report(LockstepEngine(engine), run, spec, params)
+            return multihost_report(engine, LockstepEngine(engine), run, spec, params)
         extra = {}
         if kwargs.get("dp_size", 1) > 1:
             # The first prompt alone (rank 1 idles while rank 0 works), then the rest.
@@ -67,17 +67,16 @@ def main(spec: dict) -> dict:
     return {"results": results}
 
 
-def multihost_report(lockstep, run: dict, spec: dict, params: dict) -> dict:
+def multihost_report(engine, lockstep, run: dict, spec: dict, params: dict) -> dict:
     """Rank 0: the prompts' tokens (and with "lockstep_lifecycle" the lifecycle scenario) and
     the output ids of every request it finished, by rid; the followers: the output ids of every
     request they finished, by rid (they must equal rank 0's)."""
     import jax  # noqa: PLC0415
 
-    engine = lockstep.engine
     warm = engine.compile_monitor.count
     if not lockstep.is_leader:
         # The lifecycle scenario's requests: the prompts, 3 times more.
-        return follower_report(lockstep, 4 * len(spec["prompts"])
+        return follower_report(engine, lockstep, 4 * len(spec["prompts"])
                                if spec.get("lockstep_lifecycle") else None)
     finished = {}
     outs = lockstep.generate(spec["prompts"], params)
@@ -85,7 +84,7 @@ def multihost_report(lockstep, run: dict, spec: dict, params: dict) -> dict:
                   compiles_after_warmup=engine.compile_monitor.count - warm,
                   process_count=jax.process_count(), jax_devices=jax.device_count())
     if spec.get("lockstep_lifecycle"):
-        result["lifecycle"] = lockstep_lifecycle_report(lockstep, spec, params)
+        result["lifecycle"] = lockstep_lifecycle_report(engine, lockstep, spec, params)
     for o in outs:
         finished[o["meta_info"]["id"]] = o["output_ids"]
     finished.update(result.get("lifecycle", {}).pop("finished", {}))
@@ -93,7 +92,7 @@ def multihost_report(lockstep, run: dict, spec: dict, params: dict) -> dict:
     return {"results": [result], "finished": finished}
 
 
-def follower_report(lockstep, lifecycle_requests: int | None) -> dict:
+def follower_report(engine, lockstep, lifecycle_requests: int | None) -> dict:
     """Follows rank 0; the output ids of every request finished here, by rid. After
     `lifecycle_requests` requests the second flush from then on fails here alone (rank 0's
     succeeds), and following ends with EngineDeadError ("dead")."""
@@ -104,7 +103,7 @@ def follower_report(lockstep, lifecycle_requests: int | None) -> dict:
     def record(req):
         finished[str(req.rid)] = list(req.output_ids)
         if len(finished) == lifecycle_requests:
-            break_second_flush(lockstep.engine.scheduler)
+            break_second_flush(engine.scheduler)
 
     try:
         lockstep.follow(on_finish=record)
@@ -127,7 +126,7 @@ def break_second_flush(scheduler) -> None:
     scheduler.flush_cache = flaky_flush
 
 
-def lockstep_lifecycle_report(lockstep, spec: dict, params: dict) -> dict:
+def lockstep_lifecycle_report(engine, lockstep, spec: dict, params: dict) -> dict:
     """Lifecycle verbs in the middle of serving, each run on every rank: with requests in
     flight a refused flush and an update from disk (they finish on the old weights); the prompts
     on the new weights; a weight read; a verb every rank refuses; release and resume without a
@@ -171,9 +170,9 @@ def lockstep_lifecycle_report(lockstep, spec: dict, params: dict) -> dict:
         report["refused_while_empty"] = str(e)
     tensors = load_file(Path(paths["first"]) / "model.safetensors")
     report["update_from_tensor"] = list(lockstep.update_weights_from_tensor(tensors))
-    warm = lockstep.engine.compile_monitor.count
+    warm = engine.compile_monitor.count
     report["first_again"] = run([lockstep.add_request(p, params) for p in prompts])
-    report["serving_compiles"] = lockstep.engine.compile_monitor.count - warm
+    report["serving_compiles"] = engine.compile_monitor.count - warm
     report["flush_idle"] = lockstep.flush_cache()
     # Rank 1's next flush fails (follower_report's seam): both ranks must stop, not drift.
     try:
