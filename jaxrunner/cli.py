@@ -14,6 +14,7 @@ import typing
 import uvicorn
 
 from jaxrunner.config import EngineArgs
+from jaxrunner.engine.base import ServingEngine
 from jaxrunner.engine.engine import Engine
 from jaxrunner.engine.lockstep import LockstepEngine
 from jaxrunner.server import reasoning, tool_calls
@@ -103,14 +104,15 @@ def serve(ns: argparse.Namespace) -> None:
 
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(**engine_args_from(ns))
+    engine: ServingEngine = Engine(**engine_args_from(ns))
     if ns.nnodes > 1:
         # Multi-host: every rank steps the engine in lock-step; rank 0 alone serves HTTP.
-        engine = LockstepEngine(engine)
-        if not engine.is_leader:
+        lockstep = LockstepEngine(engine)
+        if not lockstep.is_leader:
             logging.getLogger(__name__).info("rank %d follows rank 0", ns.node_rank)
-            engine.follow()
+            lockstep.follow()  # raises EngineDeadError (exit status 1) if the ranks diverge
             return
+        engine = lockstep
     app = build_app(engine, ns.served_model_name, api_key=ns.api_key,
                     chat_template=ns.chat_template, max_payload_size=ns.max_payload_size,
                     tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)

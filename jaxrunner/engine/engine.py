@@ -11,6 +11,7 @@ from jaxrunner.dllm.scheduler import DllmScheduler
 from jaxrunner.dp_attention.scheduler import DataParallelScheduler
 from jaxrunner.dp_attention.worker import DataParallelWorker
 from jaxrunner.engine.lifecycle import EngineLifecycle, EngineNotReadyError
+from jaxrunner.engine.output import Logprobs, generate_answer, meta_info
 from jaxrunner.engine.request_factory import RequestFactory
 from jaxrunner.engine.tokenizer import load_tokenizer
 from jaxrunner.runner.compile_guard import CompileMonitor
@@ -43,8 +44,15 @@ class Engine(EngineLifecycle):
     ```
     Arguments are the fields of `EngineArgs`; `engine.args` holds them with every limit left
     out resolved for this machine (jaxrunner/defaults.py). Memory release and weight updates
-    for RL rollouts: `EngineLifecycle` (jaxrunner/engine/lifecycle.py).
+    for RL rollouts: `EngineLifecycle` (jaxrunner/engine/lifecycle.py). A server drives it
+    through `ServingEngine` (jaxrunner/engine/base.py).
     """
+
+    # The contract's facts (jaxrunner/engine/base.py), set at start-up.
+    args: EngineArgs
+    model_config: ModelConfig
+    tokenizer: object
+    weight_version: str
 
     def __init__(self, **kwargs):
         args = EngineArgs.from_kwargs(**kwargs)
@@ -279,20 +287,19 @@ class Engine(EngineLifecycle):
             raise EngineNotReadyError(f"cannot take requests: {blocker}")
 
     def output(self, req: Req) -> dict:
-        """The result dict of a finished request (SGLang's `meta_info` keys)."""
-        meta = {"id": str(req.rid), "prompt_tokens": len(req.origin_input_ids),
-                "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
-                "finish_reason": req.finished_reason, "weight_version": self.weight_version}
-        if self.args.speculative_algorithm is not None:
-            # SGLang's: verify rounds, so accept length = completion_tokens / spec_verify_ct.
-            meta["spec_verify_ct"] = req.spec_verify_ct
-        if req.return_logprob:
-            meta.update(logprob_meta(req))
-        out = {"output_ids": list(req.output_ids), "meta_info": meta}
+        """The answer of a finished request: SGLang's `/generate` dict
+        (jaxrunner/engine/output.py)."""
+        spec_verify_ct = (req.spec_verify_ct if self.args.speculative_algorithm is not None
+                          else None)
+        meta = meta_info(req.rid, req.origin_input_ids, req.output_ids, req.finished_reason,
+                         cached_tokens=req.cached_tokens, weight_version=self.weight_version,
+                         logprobs=Logprobs.of(req) if req.return_logprob else None,
+                         spec_verify_ct=spec_verify_ct)
+        text = None
         if self.tokenizer is not None:
-            out["text"] = (req.stopped_text if req.stopped_text is not None
-                           else self._decode(req.output_ids))
-        return out
+            text = (req.stopped_text if req.stopped_text is not None
+                    else self._decode(req.output_ids))
+        return generate_answer(req.output_ids, meta, text)
 
     # ---- lifecycle ----
 
@@ -395,23 +402,3 @@ class Engine(EngineLifecycle):
     def __exit__(self, *exc):
         self.shutdown()
 
-
-def logprob_meta(req: Req) -> dict:
-    """SGLang's log-probability entries of a request's `meta_info`: lists of (logprob, token id,
-    None) tuples (the server may put the token's text in the third place)."""
-    meta = {"output_token_logprobs": [(lp, t, None)
-                                      for lp, t in zip(req.output_logprobs, req.output_ids)]}
-    if req.top_logprobs_num:
-        meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in top]
-                                       for top in req.output_top_logprobs]
-    if req.logprob_start_len >= 0:
-        start, prompt = req.logprob_start_len, req.origin_input_ids
-        lps = req.input_token_logprobs or [None] * len(prompt)
-        meta["input_token_logprobs"] = [(lps[p], prompt[p], None)
-                                        for p in range(start, len(prompt))]
-        if req.top_logprobs_num:
-            tops = req.input_top_logprobs or [None] * len(prompt)
-            meta["input_top_logprobs"] = [None if tops[p] is None else
-                                          [(lp, t, None) for lp, t in tops[p]]
-                                          for p in range(start, len(prompt))]
-    return meta

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxrunner.engine.base import ServingEngine
 from jaxrunner.server import (chat_api, lifecycle_api, native_api, openai_api, reasoning,
                               responses_api, tool_calls)
 from jaxrunner.server.chat_templates import load_chat_template
@@ -34,11 +35,13 @@ VERSION = "0.1.0"
 MAX_PAYLOAD_SIZE = 32 * 2**20
 
 
-def build_app(engine, served_model_name: str | None = None, *, api_key: str | None = None,
-              chat_template: str | None = None, max_payload_size: int = MAX_PAYLOAD_SIZE,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None
-              ) -> FastAPI:
-    """An app serving `engine`; the engine loop starts and stops with the app's lifespan.
+def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
+              api_key: str | None = None, chat_template: str | None = None,
+              max_payload_size: int = MAX_PAYLOAD_SIZE, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
+    """An app serving `engine` (an `Engine`, or a multi-host run's `LockstepEngine`: the
+    contract of jaxrunner/engine/base.py); the engine loop starts and stops with the app's
+    lifespan.
     `api_key`: every route but /health needs `Authorization: Bearer <api_key>`.
     `chat_template`: a template file or built-in name (jaxrunner/server/chat_templates.py).
     `max_payload_size`: larger request bodies get 413. The parsers: jaxrunner/server/
@@ -151,17 +154,17 @@ def build_app(engine, served_model_name: str | None = None, *, api_key: str | No
 
     @app.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
     async def start_expert_distribution_record():
-        await on_engine(lambda e: e.start_expert_distribution_record())
+        await on_engine(lambda engine: engine.start_expert_distribution_record())
         return Response(status_code=200)
 
     @app.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
     async def stop_expert_distribution_record():
-        await on_engine(lambda e: e.stop_expert_distribution_record())
+        await on_engine(lambda engine: engine.stop_expert_distribution_record())
         return Response(status_code=200)
 
     @app.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
     async def dump_expert_distribution_record():
-        return await on_engine(lambda e: e.dump_expert_distribution_record())
+        return await on_engine(lambda engine: engine.dump_expert_distribution_record())
 
     @app.get("/metrics")
     async def metrics_text():

@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 
+from jaxrunner.engine.base import EngineDeadError, ServingEngine
 from jaxrunner.engine.lifecycle import EngineNotReadyError
 from jaxrunner.server.metrics import ServerMetrics
 
@@ -49,14 +50,18 @@ class Delta:
     logprobs: list[float]
     # Per new token, its (logprob, token id) alternatives, when the request asked for them.
     top_logprobs: list = dataclasses.field(default_factory=list)
-    finished_reason: dict | None = None
-    stopped_text: str | None = None
-    weight_version: str | None = None  # of the weights the request ran on (when finished)
-    # In the finishing delta: the prompt tokens served from the prefix cache, and the prompt's
-    # (logprob, top alternatives) per position when asked for (None before logprob_start_len).
+    # Prompt tokens served from the prefix cache (known once admitted), and the version of the
+    # weights the engine holds.
     cached_tokens: int = 0
+    weight_version: str | None = None
+    # Once, when computed (with logprob_start_len >= 0): the prompt's logprob and top
+    # alternatives per position (None before logprob_start_len).
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    # In the finishing delta:
+    finished_reason: dict | None = None
+    stopped_text: str | None = None
+    spec_verify_ct: int = 0        # speculative verify rounds
 
 
 class EngineError(RuntimeError):
@@ -99,13 +104,14 @@ class _Track:
     index: int
     sent: int = 0                  # output tokens already handed out
     last_token_time: float | None = None
+    sent_input_logprobs: bool = False
 
 
 @dataclasses.dataclass
 class _Call:
     """An engine call waiting for the engine to have no request left."""
 
-    fn: object                     # fn(engine) -> result
+    fn: object                     # fn(engine: ServingEngine) -> result
     future: asyncio.Future
     abort_all_requests: bool
     when_idle: bool
@@ -114,7 +120,7 @@ class _Call:
 class EngineLoop:
     """Owns the engine on a thread of its own. `start(loop)`, `submit`, `abort`, `stop`."""
 
-    def __init__(self, engine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: ServingEngine, metrics: ServerMetrics | None = None):
         self.engine = engine
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -180,10 +186,11 @@ class EngineLoop:
     # ---- engine thread ----
 
     def _run(self) -> None:
+        out: list = []
         try:
             while True:
                 block = not self.engine.has_unfinished_requests and not self._calls
-                out: list = []
+                out = []
                 if not self._handle_commands(block, out):
                     self._abort_all(out)
                     self._fail_calls(EngineError("the server is shutting down"), out)
@@ -195,10 +202,10 @@ class EngineLoop:
                     self._deliver(self.engine.step(), out)
                 self._publish_stats()
                 self._send(out)
-        except Exception:
-            self.error = "engine step failed:\n" + traceback.format_exc()
+        except Exception:  # a step failed, or a call left the engine dead
+            self.error = "the engine failed:\n" + traceback.format_exc()
             log.error(self.error)
-            self._fail_all(EngineError("the engine failed; see the server log"))
+            self._fail_all(EngineError("the engine failed; see the server log"), out)
 
     def _handle_commands(self, block: bool, out: list) -> bool:
         """Runs queued commands (waiting for one if `block`); False on "stop"."""
@@ -222,12 +229,6 @@ class EngineLoop:
                     self._abort_all(out)
             elif cmd == "abort_all":
                 self._abort_all(out)
-            elif cmd == "call":
-                fn, future = group
-                try:
-                    out.append((future.set_result, fn(self.engine)))
-                except Exception as e:  # the caller gets it; the engine keeps serving
-                    out.append((future.set_exception, e))
             elif cmd == "abort":
                 for req in group.reqs:
                     if not req.finished:
@@ -246,6 +247,9 @@ class EngineLoop:
     def _run_call(self, call: _Call, out: list) -> None:
         try:
             out.append((call.future.set_result, call.fn(self.engine)))
+        except EngineDeadError as e:  # the caller gets it, and the loop ends
+            out.append((call.future.set_exception, e))
+            raise
         except Exception as e:  # the caller's to answer; the engine keeps serving
             out.append((call.future.set_exception, e))
         self._deliver([r for r in self._tracks if r.finished], out)
@@ -285,42 +289,57 @@ class EngineLoop:
             track = self._tracks.get(req)
             if track is None:
                 continue
-            new_ids = req.output_ids[track.sent:]
-            new_lps = req.output_logprobs[track.sent:] if req.return_logprob else []
-            if self.metrics and new_ids:
-                if track.sent == 0:
-                    self.metrics.ttft.observe(now - track.group.arrival)
-                else:
-                    self.metrics.itl.observe(now - track.last_token_time)
-                self.metrics.generation_tokens.inc(len(new_ids))
-            track.sent += len(new_ids)
+            sent = track.sent
+            delta = self._delta(req, track)
+            if self.metrics:
+                self._observe(req, track, sent, now)
             track.last_token_time = now
-            tops = getattr(req, "output_top_logprobs", None)
-            delta = Delta(track.index, new_ids, new_lps,
-                          list(tops[track.sent - len(new_ids):track.sent]) if tops else [])
             if req.finished:
-                delta.finished_reason = dict(req.finished_reason)
-                delta.stopped_text = req.stopped_text
-                delta.weight_version = self.engine.weight_version
-                delta.cached_tokens = getattr(req, "cached_tokens", 0)
-                if getattr(req, "input_token_logprobs", None) is not None:
-                    delta.input_logprobs = list(req.input_token_logprobs)
-                    delta.input_top_logprobs = list(req.input_top_logprobs)
                 del self._tracks[req]
-                if self.metrics:
-                    self.metrics.observe_finished(req.finished_reason["type"],
-                                                  len(req.origin_input_ids),
-                                                  now - track.group.arrival,
-                                                  len(req.output_ids), req.spec_verify_ct)
             out.append((track.group.queue.put_nowait, delta))
+
+    def _delta(self, req, track: _Track) -> Delta:
+        """What `req` got since its previous delta; advances `track`."""
+        start, track.sent = track.sent, len(req.output_ids)
+        delta = Delta(track.index, req.output_ids[start:],
+                      req.output_logprobs[start:] if req.return_logprob else [],
+                      req.output_top_logprobs[start:] if req.top_logprobs_num else [],
+                      cached_tokens=req.cached_tokens,
+                      weight_version=self.engine.weight_version)
+        if (not track.sent_input_logprobs and req.input_token_logprobs is not None
+                and (req.input_logprobs_done or req.finished)):
+            track.sent_input_logprobs = True
+            delta.input_logprobs = list(req.input_token_logprobs)
+            delta.input_top_logprobs = list(req.input_top_logprobs)
+        if req.finished:
+            delta.finished_reason = dict(req.finished_reason)
+            delta.stopped_text = req.stopped_text
+            delta.spec_verify_ct = req.spec_verify_ct
+        return delta
+
+    def _observe(self, req, track: _Track, sent: int, now: float) -> None:
+        """Token latencies and counts; a finished request's totals."""
+        new = len(req.output_ids) - sent
+        if new:
+            if sent == 0:
+                self.metrics.ttft.observe(now - track.group.arrival)
+            else:
+                self.metrics.itl.observe(now - track.last_token_time)
+            self.metrics.generation_tokens.inc(new)
+        if req.finished:
+            self.metrics.observe_finished(req.finished_reason["type"], len(req.origin_input_ids),
+                                          now - track.group.arrival, len(req.output_ids),
+                                          req.spec_verify_ct)
 
     def _abort_all(self, out: list) -> None:
         for req in list(self._tracks):
             self.engine.abort_request(req)
         self._deliver(list(self._tracks), out)
 
-    def _fail_all(self, error: BaseException) -> None:
-        out = [(t.group.queue.put_nowait, error) for t in self._tracks.values()]
+    def _fail_all(self, error: BaseException, out: list) -> None:
+        """Fails everything waiting on the loop, after sending `out` (what this iteration did
+        before the failure)."""
+        out += [(t.group.queue.put_nowait, error) for t in self._tracks.values()]
         self._tracks.clear()
         self._fail_calls(error, out)
         self._send(out)

@@ -3,11 +3,12 @@
 `json_schema`/`regex`/`ebnf`, penalties), `return_logprob` with `top_logprobs_num` and
 `logprob_start_len`, `stream`, `lora_path` (a LoRA adapter's name, per request or for all).
 
-The answer is SGLang's: `{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
-"completion_tokens", "cached_tokens", "finish_reason", ["output_token_logprobs",
-"output_top_logprobs", "input_token_logprobs", "input_top_logprobs"], "e2e_latency",
-"weight_version"}}`, a list of them for a batch (or for `n` > 1). Streamed chunks carry the text and
-output ids so far (cumulative, SGLang's default) and, for a batch, the `index` of the request.
+The answer is SGLang's: `{"text", "output_ids", "meta_info"}` (jaxrunner/engine/output.py, as the
+offline engine's: `id`, `finish_reason`, `prompt_tokens`, `completion_tokens`, `cached_tokens`,
+`weight_version`, the logprob lists, and once finished `spec_verify_ct` under speculative
+decoding and `e2e_latency`), a list of them for a batch (or for `n` > 1). Streamed chunks carry
+the text, output ids and logprobs so far (cumulative, SGLang's default) and, for a batch, the
+`index` of the request.
 """
 
 import time
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from jaxrunner.batch.input_embeds import PLACEHOLDER_ID
+from jaxrunner.engine.output import Logprobs, generate_answer, meta_info
 from jaxrunner.server.detokenizer import IncrementalDetokenizer
 from jaxrunner.server.engine_loop import EngineError, RequestSpec
 from jaxrunner.server.protocol import APIError, GenerateRequest
@@ -93,33 +95,21 @@ def _per_request(value, n: int, name: str, default) -> list:
 
 
 def _output(state, group, i: int, r: Result, text: str | None, body) -> dict:
-    meta = {"id": f"{id(group):x}-{i}", "prompt_tokens": len(group.specs[i].input_ids),
-            "completion_tokens": len(r.token_ids), "finish_reason": r.finished_reason,
-            "e2e_latency": time.perf_counter() - group.arrival,
-            "weight_version": r.weight_version}
+    """Request i's answer so far (jaxrunner/engine/output.py builds it, as for the engine)."""
     spec = group.specs[i]
-    meta["cached_tokens"] = r.cached_tokens
+    logprobs = None
     if spec.return_logprob:
-        def entry(lp, t):
-            return (lp, t, state.token_text(t) if body.return_text_in_logprobs else None)
-        meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(r.logprobs, r.token_ids)]
-        if spec.options.get("top_logprobs_num"):
-            meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top]
-                                           for top in r.top_logprobs]
-        start = spec.options.get("logprob_start_len", -1)
-        if start >= 0 and r.input_logprobs is not None:
-            prompt = spec.input_ids
-            meta["input_token_logprobs"] = [entry(r.input_logprobs[p], prompt[p])
-                                            for p in range(start, len(prompt))]
-            if spec.options.get("top_logprobs_num"):
-                meta["input_top_logprobs"] = [
-                    None if r.input_top_logprobs[p] is None else
-                    [entry(lp, t) for lp, t in r.input_top_logprobs[p]]
-                    for p in range(start, len(prompt))]
-    out = {"output_ids": list(r.token_ids), "meta_info": meta}
-    if text is not None:
-        out["text"] = text
-    return out
+        top = spec.options.get("top_logprobs_num", 0)
+        logprobs = Logprobs(r.logprobs, r.top_logprobs if top else None,
+                            spec.options.get("logprob_start_len", -1), r.input_logprobs,
+                            r.input_top_logprobs)
+    speculative = state.engine.args.speculative_algorithm is not None
+    meta = meta_info(spec.req.rid, spec.input_ids, r.token_ids, r.finished_reason,
+                     cached_tokens=r.cached_tokens, weight_version=r.weight_version,
+                     logprobs=logprobs, spec_verify_ct=r.spec_verify_ct if speculative else None,
+                     e2e_latency=time.perf_counter() - group.arrival,
+                     token_text=state.token_text if body.return_text_in_logprobs else None)
+    return generate_answer(r.token_ids, meta, text)
 
 
 async def _stream(state, request, group, single: bool, body):

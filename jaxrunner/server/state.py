@@ -10,6 +10,7 @@ import time
 
 from starlette.requests import Request
 
+from jaxrunner.engine.base import ServingEngine
 from jaxrunner.engine.lifecycle import EngineNotReadyError
 from jaxrunner.server.detokenizer import decode, final_text
 from jaxrunner.server.engine_loop import Delta, EngineError, EngineLoop, RequestGroup, RequestSpec
@@ -19,7 +20,9 @@ from jaxrunner.server.protocol import APIError
 
 @dataclasses.dataclass
 class ServerState:
-    engine: object                 # read here only for facts fixed at start-up
+    # Read here for its facts, `make_request` and `loaded_lora_adapters` (thread-safe); every
+    # other call goes through the engine loop's thread.
+    engine: ServingEngine
     engine_loop: EngineLoop
     metrics: ServerMetrics
     served_model_name: str
@@ -53,8 +56,7 @@ class ServerState:
 
     def lora_adapters(self) -> list[str]:
         """Names of the LoRA adapters loaded now (they change while serving)."""
-        registry = self.engine.lora_registry
-        return [] if registry is None else list(registry.adapters)
+        return list(self.engine.loaded_lora_adapters())
 
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -154,18 +156,21 @@ class Result:
     cached_tokens: int = 0
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    spec_verify_ct: int = 0
 
     def add(self, delta: Delta) -> None:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.top_logprobs += delta.top_logprobs
+        self.cached_tokens = delta.cached_tokens
+        self.weight_version = delta.weight_version
+        if delta.input_logprobs is not None:
+            self.input_logprobs = delta.input_logprobs
+            self.input_top_logprobs = delta.input_top_logprobs
         if delta.finished_reason is not None:
             self.finished_reason = delta.finished_reason
             self.stopped_text = delta.stopped_text
-            self.weight_version = delta.weight_version
-            self.cached_tokens = delta.cached_tokens
-            self.input_logprobs = delta.input_logprobs
-            self.input_top_logprobs = delta.input_top_logprobs
+            self.spec_verify_ct = delta.spec_verify_ct
 
     def text(self, tokenizer) -> str | None:
         return None if tokenizer is None else final_text(tokenizer, self.token_ids,

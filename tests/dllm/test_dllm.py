@@ -126,6 +126,27 @@ def test_abort_mid_block_frees_everything(engine):
     assert _all_pages_free(engine)
 
 
+def test_weight_update_aborts_the_requests_in_flight(engine, sdar):
+    """`update_weights_from_disk(abort_all_requests=True)` with requests mid-block (it raised
+    AttributeError on a DLLM engine: the engine read the plain scheduler's fields): they end
+    with finish_reason "abort", every page is free, and the reloaded weights serve the same."""
+    prompts = _prompts([9, 21, 4], seed=6)
+    greedy = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0.0}
+    before = engine.generate(input_ids=prompts[0], sampling_params=greedy)["output_ids"]
+    reqs = [engine.add_request(p, greedy) for p in prompts]
+    for _ in range(4):  # the prefill, then DLLM steps part-way into the first blocks
+        engine.step()
+    assert not any(r.finished for r in reqs) and engine.scheduler.blocks
+    with CompileCounter() as compiles:
+        ok, message = engine.update_weights_from_disk(str(sdar), abort_all_requests=True)
+    assert ok, message
+    assert compiles.count == 0
+    assert [r.finished_reason["type"] for r in reqs] == ["abort"] * 3
+    assert not engine.scheduler.has_work and not engine.scheduler.blocks
+    assert _all_pages_free(engine)
+    assert engine.generate(input_ids=prompts[0], sampling_params=greedy)["output_ids"] == before
+
+
 def test_sampling_is_seeded(engine):
     prompt = _prompts([10], seed=2)[0]
     params = {"max_new_tokens": 8, "temperature": 1.5, "seed": 7, "ignore_eos": True}

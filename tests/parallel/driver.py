@@ -6,7 +6,9 @@ subprocess because the device count must be fixed before jax is imported.
 
 Prints one JSON line: {"results": [{"tp_size": 2, "output_ids": [[...]], "compiles_after_warmup":
 0, ...}, ...]}. The keys of each run are `EngineArgs` fields laid over `engine_kwargs`; a
-"lora_path" list names each prompt's LoRA adapter.
+"lora_path" list names each prompt's LoRA adapter. A multi-host run (`nnodes` > 1) is one
+process per rank; each adds "finished" (rid -> output ids of the requests it finished), and
+"lockstep_lifecycle" ({"first", "second"}: two checkpoints) adds rank 0's lifecycle scenario.
 """
 
 import json
@@ -35,19 +37,8 @@ def main(spec: dict) -> dict:
         warm = engine.compile_monitor.count
         params = {"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0,
                   "ignore_eos": True}
-        if kwargs.get("nnodes", 1) > 1:  # one run per process; rank 0 reports
-            lockstep = LockstepEngine(engine)
-            warm = engine.compile_monitor.count
-            if not lockstep.is_leader:
-                lockstep.follow()
-                return {"results": []}
-            outs = lockstep.generate(spec["prompts"], params)
-            compiles = engine.compile_monitor.count - warm
-            lockstep.shutdown()
-            return {"results": [dict(run, output_ids=[o["output_ids"] for o in outs],
-                                     compiles_after_warmup=compiles,
-                                     process_count=jax.process_count(),
-                                     jax_devices=jax.device_count())]}
+        if kwargs.get("nnodes", 1) > 1:  # one run per process
+            return multihost_report(engine, LockstepEngine(engine), run, spec, params)
         extra = {}
         if kwargs.get("dp_size", 1) > 1:
             # The first prompt alone (rank 1 idles while rank 0 works), then the rest.
@@ -74,6 +65,126 @@ def main(spec: dict) -> dict:
             results[-1]["lifecycle"] = lifecycle_report(engine, spec, params)
         engine.shutdown()
     return {"results": results}
+
+
+def multihost_report(engine, lockstep, run: dict, spec: dict, params: dict) -> dict:
+    """Rank 0: the prompts' tokens (and with "lockstep_lifecycle" the lifecycle scenario) and
+    the output ids of every request it finished, by rid; the followers: the output ids of every
+    request they finished, by rid (they must equal rank 0's)."""
+    import jax  # noqa: PLC0415
+
+    warm = engine.compile_monitor.count
+    if not lockstep.is_leader:
+        # The lifecycle scenario's requests: the prompts, 3 times more.
+        return follower_report(engine, lockstep, 4 * len(spec["prompts"])
+                               if spec.get("lockstep_lifecycle") else None)
+    finished = {}
+    outs = lockstep.generate(spec["prompts"], params)
+    result = dict(run, output_ids=[o["output_ids"] for o in outs],
+                  compiles_after_warmup=engine.compile_monitor.count - warm,
+                  process_count=jax.process_count(), jax_devices=jax.device_count())
+    if spec.get("lockstep_lifecycle"):
+        result["lifecycle"] = lockstep_lifecycle_report(engine, lockstep, spec, params)
+    for o in outs:
+        finished[o["meta_info"]["id"]] = o["output_ids"]
+    finished.update(result.get("lifecycle", {}).pop("finished", {}))
+    lockstep.shutdown()
+    return {"results": [result], "finished": finished}
+
+
+def follower_report(engine, lockstep, lifecycle_requests: int | None) -> dict:
+    """Follows rank 0; the output ids of every request finished here, by rid. After
+    `lifecycle_requests` requests the second flush from then on fails here alone (rank 0's
+    succeeds), and following ends with EngineDeadError ("dead")."""
+    from jaxrunner.engine.base import EngineDeadError  # noqa: PLC0415
+
+    finished = {}
+
+    def record(req):
+        finished[str(req.rid)] = list(req.output_ids)
+        if len(finished) == lifecycle_requests:
+            break_second_flush(engine.scheduler)
+
+    try:
+        lockstep.follow(on_finish=record)
+    except EngineDeadError as e:  # a real follower's process exits here (status 1)
+        return {"results": [], "finished": finished, "dead": str(e)}
+    return {"results": [], "finished": finished}
+
+
+def break_second_flush(scheduler) -> None:
+    """The divergence check's test seam: this rank's second prefix-cache flush from now on
+    raises (rank 0's succeeds)."""
+    flush, calls = scheduler.flush_cache, []
+
+    def flaky_flush():
+        calls.append(None)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure of this rank's flush")
+        return flush()
+
+    scheduler.flush_cache = flaky_flush
+
+
+def lockstep_lifecycle_report(engine, lockstep, spec: dict, params: dict) -> dict:
+    """Lifecycle verbs in the middle of serving, each run on every rank: with requests in
+    flight a refused flush and an update from disk (they finish on the old weights); the prompts
+    on the new weights; a weight read; a verb every rank refuses; release and resume without a
+    backup (requests refused), then rank 0's tensors of the first checkpoint sent to every
+    rank; the prompts again; a flush; then a flush that fails on rank 1 alone."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    from jaxrunner.engine.base import EngineDeadError  # noqa: PLC0415
+    from jaxrunner.engine.lifecycle import EngineNotReadyError  # noqa: PLC0415
+
+    paths, prompts = spec["lockstep_lifecycle"], spec["prompts"]
+    finished, report = {}, {}
+
+    def run(reqs):
+        while not all(r.finished for r in reqs):
+            lockstep.step()
+        finished.update({str(r.rid): list(r.output_ids) for r in reqs})
+        return [list(r.output_ids) for r in reqs]
+
+    in_flight = [lockstep.add_request(p, params) for p in prompts]
+    lockstep.step()
+    lockstep.step()
+    report["flush_in_flight"] = lockstep.flush_cache()
+    report["update_from_disk"] = list(lockstep.update_weights_from_disk(
+        paths["second"], weight_version="second"))
+    report["in_flight"] = run(in_flight)
+    report["second"] = run([lockstep.add_request(p, params) for p in prompts])
+    report["weight_version"] = lockstep.weight_version
+    report["read"] = lockstep.get_weights_by_name("model.embed_tokens.weight", 2).tolist()
+    try:
+        lockstep.start_expert_distribution_record()
+    except ValueError as e:
+        report["refused"] = str(e)
+    lockstep.release_memory_occupation()
+    lockstep.resume_memory_occupation()
+    try:
+        lockstep.add_request(prompts[0], params)
+    except EngineNotReadyError as e:
+        report["refused_while_empty"] = str(e)
+    tensors = load_file(Path(paths["first"]) / "model.safetensors")
+    report["update_from_tensor"] = list(lockstep.update_weights_from_tensor(tensors))
+    warm = engine.compile_monitor.count
+    report["first_again"] = run([lockstep.add_request(p, params) for p in prompts])
+    report["serving_compiles"] = engine.compile_monitor.count - warm
+    report["flush_idle"] = lockstep.flush_cache()
+    # Rank 1's next flush fails (follower_report's seam): both ranks must stop, not drift.
+    try:
+        lockstep.flush_cache()
+    except EngineDeadError as e:
+        report["diverged"] = str(e)
+    try:
+        lockstep.step()
+    except EngineDeadError:
+        report["refuses_after_divergence"] = True
+    report["finished"] = finished
+    return report
 
 
 def dp_report(engine) -> dict:

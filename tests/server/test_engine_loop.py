@@ -8,16 +8,26 @@ import time
 
 import pytest
 
+from jaxrunner.engine.base import EngineDeadError
 from jaxrunner.server.engine_loop import EngineError, EngineLoop, RequestSpec
 
 
 @dataclasses.dataclass(eq=False)
 class FakeReq:
+    """The fields of `Req` the engine loop reads."""
+
     origin_input_ids: list
     max_new_tokens: int
     return_logprob: bool = False
     output_ids: list = dataclasses.field(default_factory=list)
     output_logprobs: list = dataclasses.field(default_factory=list)
+    top_logprobs_num: int = 0
+    output_top_logprobs: list = dataclasses.field(default_factory=list)
+    input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+    input_logprobs_done: bool = False
+    cached_tokens: int = 0
+    spec_verify_ct: int = 0
     finished_reason: dict | None = None
     stopped_text: str | None = None
 
@@ -204,3 +214,24 @@ def test_call_runs_on_the_engine_thread_between_steps_and_returns_or_raises():
     assert thread is not threading.main_thread()
     assert 0 <= steps <= 4
     assert sum(len(d.token_ids) for d in deltas) == 4
+
+
+def test_a_call_that_leaves_the_engine_dead_ends_the_loop():
+    """`EngineDeadError` from a call (a multi-host run whose hosts diverged): the caller gets
+    it, and the loop stops serving at once (/health answers 503), failing the requests in it."""
+    engine = SlowEngine()
+
+    def diverge(e):
+        raise EngineDeadError("flush_cache came out differently on rank(s) [1]")
+
+    async def body(loop):
+        running = await loop.submit([RequestSpec([1], {"max_new_tokens": 10 ** 6})])
+        with pytest.raises(EngineDeadError, match="rank"):
+            await loop.call(diverge, when_idle=False)
+        with pytest.raises(EngineError):
+            await _collect(running)
+        assert not loop.alive and "EngineDeadError" in loop.error
+        with pytest.raises(EngineError):
+            await loop.submit([RequestSpec([1], {"max_new_tokens": 1})])
+
+    _run(engine, body)

@@ -1,7 +1,9 @@
 """`jaxrunner serve` over two local processes (`--nnodes 2`, joined by jax.distributed over gloo,
 one TP 4 model on 2 simulated devices each): rank 0 serves HTTP, rank 1 steps in lock-step, and
-the answers, streamed and not, carry the tokens of a one-process engine with the same buckets."""
+the answers, streamed and not, carry the tokens of a one-process engine with the same buckets;
+the lifecycle routes reach both ranks; `/generate` answers as the engine does."""
 
+import httpx
 import openai
 import pytest
 
@@ -13,6 +15,8 @@ MAX_TOKENS = 6
 # Few buckets: two processes compile them at once.
 SMALL = dict(max_total_tokens=1024, max_running_requests=4, max_prefill_tokens=64,
              context_length=256)
+LOGPROBS = dict(return_logprob=True, top_logprobs_num=2, logprob_start_len=0,
+                sampling_params={"max_new_tokens": MAX_TOKENS, "temperature": 0.0})
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +49,37 @@ def test_two_processes_serve_the_tokens_of_one(two_process_server, model_path, e
                                            max_tokens=MAX_TOKENS, stream=True)
         streamed.append("".join(c.choices[0].text for c in chunks if c.choices))
     assert leader.info()["engine_args"]["nnodes"] == 2
+    # The lifecycle routes run on both ranks (a reload of the same weights, a flush), and the
+    # hosts still compute the same.
+    reload = httpx.post(leader.url + "/update_weights_from_disk", timeout=300,
+                        json={"model_path": str(model_path), "weight_version": "reloaded"})
+    assert reload.json()["success"], reload.text
+    assert httpx.post(leader.url + "/flush_cache", timeout=60).status_code == 200
+    gen = httpx.post(leader.url + "/generate", json=dict(input_ids=PROMPTS[1], **LOGPROBS),
+                     timeout=300).json()
     assert leader.stop() == 0
     assert follower.proc.wait(120) == 0, open(follower.log_path).read()[-3000:]
     engine = Engine(model_path=str(model_path), **dict(engine_kwargs, **SMALL))
     want = [o["text"] for o in engine.generate(
         input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_TOKENS, "temperature": 0.0})]
+    want_gen = engine.generate(input_ids=PROMPTS[1], **LOGPROBS)
     engine.shutdown()
     assert got == want and streamed == want
+    _check_same_answer(gen, want_gen)
+
+
+def _check_same_answer(served: dict, offline: dict) -> None:
+    """`/generate`'s answer is the engine's (jaxrunner/engine/output.py builds both), but for
+    the server's `e2e_latency`, the request ids and the weight version set by the reload."""
+    meta, want = served["meta_info"], offline["meta_info"]
+    assert set(meta) == set(want) | {"e2e_latency"}
+    assert served["output_ids"] == offline["output_ids"] and served["text"] == offline["text"]
+    assert meta["weight_version"] == "reloaded" and want["weight_version"] == "default"
+    for key in ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"):
+        assert meta[key] == want[key], key
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        got_lps, want_lps = meta[key], want[key]
+        assert [e[1:] for e in got_lps] == [list(e[1:]) for e in want_lps]  # JSON: lists
+        assert [e[0] for e in got_lps] == pytest.approx([e[0] for e in want_lps], abs=1e-4)
+    assert [[t[1] for t in top] for top in meta["output_top_logprobs"]] == \
+        [[t[1] for t in top] for top in want["output_top_logprobs"]]
