@@ -80,7 +80,7 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
     """The run's memory plan (see the module's docstring). `model_config`: the checkpoint's,
     quantization resolved; `attention_backend` resolved (the TPU kernel bounds the running
     requests). Raises ValueError when the KV cache cannot hold a page or the chunked prefill
-    exceeds the prefill limit."""
+    exceeds the prefill limit it leaves."""
     context_len = args.context_length or model_config.max_position_embeddings
     max_pages_per_req = -(-context_len // args.page_size)
     running = args.max_running_requests or defaults.default_max_running_requests(
@@ -104,13 +104,10 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
     max_total_tokens = (num_pages - 1) * args.page_size
     fit_running, fit_prefill = defaults.fit_to_kv(running, prefill, max_total_tokens,
                                                   args.page_size)
+    # EngineArgs checks the resolved limits (a chunked prefill within the prefill limit).
     resolved = dataclasses.replace(
         args, max_running_requests=args.max_running_requests or fit_running,
         max_prefill_tokens=args.max_prefill_tokens or fit_prefill)
-    if args.chunked_prefill_size is not None and (
-            args.chunked_prefill_size > resolved.max_prefill_tokens):
-        raise ValueError(f"chunked_prefill_size ({args.chunked_prefill_size}) exceeds "
-                         f"max_prefill_tokens ({resolved.max_prefill_tokens})")
     return MemoryPlan(resolved, context_len, per_token, num_pages, max_total_tokens,
                       max_pages_per_req)
 
