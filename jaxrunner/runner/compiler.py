@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 import os
 from typing import Protocol
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +178,9 @@ class StepExecutables:
         self.programs = programs
         self.buckets = programs.buckets
         self.jitted = {program.mode: jit(program.step) for program in programs}
-        self.operands = operands
+        # Weakly: the runner holds these executables, and the engine freezes the garbage
+        # collector after start-up, so a cycle would keep every dropped runner's device memory.
+        self.operands = weakref.proxy(operands)
         self.inputs = inputs
         self.compiler = compiler
         self.compile_monitor = compile_monitor
