@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jaxrunner.batch.buckets import Bucket
 from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.batch.schedule_batch import ModelWorkerBatch
 from jaxrunner.lora.layers import LoraBatch
@@ -32,6 +33,12 @@ def _static():
     return field(metadata=dict(static=True))
 
 
+def _from_worker_batch(*axes: str):
+    """An i32 array uploaded from the `ModelWorkerBatch` field of the same name; `axes` name its
+    dimensions (T padded tokens, R padded requests, P pages per request slot)."""
+    return field(metadata=dict(worker_batch=axes))
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -39,21 +46,23 @@ class ForwardBatch:
     capture_hidden_mode: CaptureHiddenMode = _static()
     batch_size: int = _static()           # R: padded request count
 
-    # Uploaded by `init_new`. Decode fills the extend fields too (one token per request), so
-    # every mode has one layout.
-    input_ids: jax.Array           # i32[T]; where input_token_src >= 0, a placeholder
-    input_token_src: jax.Array     # i32[T]: row of prev_tokens holding the token, or -1
+    # Uploaded by `init_new`: the `_from_worker_batch` fields come from the ModelWorkerBatch's
+    # fields of the same names (the one list of them: WORKER_BATCH_FIELDS). Decode fills the
+    # extend fields too (one token per request), so every mode has one layout.
+    input_ids: jax.Array = _from_worker_batch("T")  # where input_token_src >= 0, a placeholder
+    input_token_src: jax.Array = _from_worker_batch("T")  # row of prev_tokens holding it, or -1
     prev_tokens: jax.Array         # i32[N]: the previous step's samples (overlap), else zeros
-    out_cache_loc: jax.Array       # i32[T]: KV slot written by each token (padding: page 0)
-    seq_lens: jax.Array            # i32[R]: KV length after this step (0 for padding)
-    extend_seq_lens: jax.Array     # i32[R]: new tokens per request
-    extend_prefix_lens: jax.Array  # i32[R]: tokens already in the cache per request
-    page_table: jax.Array          # i32[R, P]: KV pages of each request
-    input_embeds_src: jax.Array    # i32[T]: row of input_embeds replacing the token's embedding, or -1
-    input_embeds: jax.Array        # [C, D] model dtype: this step's override rows (else resident zeros)
-    # i32[T]: the prompt token after each token, whose log-probability the step returns
-    # (prompt logprobs); -1 where none is wanted.
-    logprob_target_ids: jax.Array
+    out_cache_loc: jax.Array = _from_worker_batch("T")  # KV slot per token (padding: page 0)
+    seq_lens: jax.Array = _from_worker_batch("R")  # KV length after this step (0 for padding)
+    extend_seq_lens: jax.Array = _from_worker_batch("R")  # new tokens per request
+    extend_prefix_lens: jax.Array = _from_worker_batch("R")  # tokens already in the cache
+    page_table: jax.Array = _from_worker_batch("R", "P")  # KV pages of each request
+    # Row of input_embeds replacing the token's embedding, or -1.
+    input_embeds_src: jax.Array = _from_worker_batch("T")
+    input_embeds: jax.Array        # [C, D] model dtype: the step's override rows, or resident zeros
+    # The prompt token after each token, whose log-probability the step returns (prompt
+    # logprobs); -1 where none is wanted.
+    logprob_target_ids: jax.Array = _from_worker_batch("T")
     # What a speculative mode needs besides (jaxrunner/speculative/spec_info.py); None else.
     spec_info: object = None
     # A LoRA engine's adapter pool and each token's slot (jaxrunner/lora/layers.py: LoraBatch);
@@ -95,26 +104,32 @@ class ForwardBatch:
         device pool (`jaxrunner/lora/pool.py`), read with the batch's per-token slots.
         """
         lora_slots = batch.lora_slots if lora_weights is not None else None
-        host = (batch.input_ids, batch.input_token_src, batch.out_cache_loc, batch.seq_lens,
-                batch.extend_seq_lens, batch.extend_prefix_lens, batch.page_table,
-                batch.input_embeds_src, batch.logprob_target_ids, batch.sampling, lora_slots)
+        host = ({name: getattr(batch, name) for name in WORKER_BATCH_FIELDS}, batch.sampling,
+                lora_slots)
         # Without a sharding the step's executable takes the numpy arrays as they are and
         # moves them in its C++ call path: a Python device_put costs ~60 us per array (1.3 ms
         # of a batch's ~22 on a 2-core CPU), the executable's own transfer a few. The arrays
         # are fresh per batch (get_model_worker_batch), so nothing rewrites them in flight.
-        (input_ids, input_token_src, out_cache_loc, seq_lens, extend_seq_lens,
-         extend_prefix_lens, page_table, input_embeds_src, logprob_target_ids,
-         sampling, lora_slots) = host if sharding is None else jax.device_put(host, sharding)
+        arrays, sampling, lora_slots = host if sharding is None else jax.device_put(host,
+                                                                                  sharding)
         forward_batch = cls(
             forward_mode=batch.forward_mode, capture_hidden_mode=batch.capture_hidden_mode,
-            batch_size=batch.bucket.num_reqs, input_ids=input_ids,
-            input_token_src=input_token_src, prev_tokens=prev_tokens,
-            out_cache_loc=out_cache_loc, seq_lens=seq_lens, extend_seq_lens=extend_seq_lens,
-            extend_prefix_lens=extend_prefix_lens, page_table=page_table,
-            input_embeds_src=input_embeds_src, input_embeds=input_embeds,
-            logprob_target_ids=logprob_target_ids,
-            lora=None if lora_weights is None else LoraBatch(lora_weights, lora_slots))
+            batch_size=batch.bucket.num_reqs, prev_tokens=prev_tokens, input_embeds=input_embeds,
+            lora=None if lora_weights is None else LoraBatch(lora_weights, lora_slots), **arrays)
         return forward_batch, sampling
+
+    @classmethod
+    def abstract(cls, bucket: Bucket, capture: CaptureHiddenMode, *, max_pages_per_req: int,
+                 prev_tokens, input_embeds, spec_info=None, lora=None) -> "ForwardBatch":
+        """The ForwardBatch of `bucket` as shapes (`jax.ShapeDtypeStruct`s), for lowering its
+        step: the uploaded fields from their axes, the rest as given (the fields `prepare` fills
+        are None, as at every call)."""
+        dims = dict(T=bucket.num_tokens, R=bucket.num_reqs, P=max_pages_per_req)
+        arrays = {name: jax.ShapeDtypeStruct(tuple(dims[axis] for axis in axes), jnp.int32)
+                  for name, axes in WORKER_BATCH_FIELDS.items()}
+        return cls(forward_mode=bucket.mode, capture_hidden_mode=capture,
+                   batch_size=bucket.num_reqs, prev_tokens=prev_tokens, input_embeds=input_embeds,
+                   spec_info=spec_info, lora=lora, **arrays)
 
     def embed_inputs(self, embed_tokens) -> jax.Array:
         """[T, D]: each token's embedding (`embed_tokens(ids)`), or the row of `input_embeds` that
@@ -139,6 +154,12 @@ class ForwardBatch:
 
     def replace(self, **changes) -> "ForwardBatch":
         return dataclasses.replace(self, **changes)
+
+
+# The fields a ForwardBatch uploads from its ModelWorkerBatch, and the axes of each.
+WORKER_BATCH_FIELDS: dict[str, tuple[str, ...]] = {
+    f.name: f.metadata["worker_batch"] for f in dataclasses.fields(ForwardBatch)
+    if "worker_batch" in f.metadata}
 
 
 def compute_positions(extend_prefix_lens, extend_seq_lens, num_tokens: int):

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxrunner.batch.buckets import Bucket
-from jaxrunner.batch.forward_batch import ForwardBatch
+from jaxrunner.batch.forward_batch import WORKER_BATCH_FIELDS, ForwardBatch
 from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.batch.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from jaxrunner.worker.model_worker import ModelWorker
@@ -53,18 +53,13 @@ def stack_worker_batches(workers: list[ModelWorkerBatch], prev_tokens: jax.Array
     """The ranks' padded batches -> one ForwardBatch and SamplingBatch with a leading [dp] axis,
     moved to the devices in one transfer (each rank's row to its own devices). `input_embeds`
     is the ranks' override buffer [dp, C, D] (`ModelRunner.input_embeds_for`)."""
-    def stack(name):
-        return np.stack([getattr(w, name) for w in workers])
-
-    names = ("input_ids", "input_token_src", "out_cache_loc", "seq_lens", "extend_seq_lens",
-             "extend_prefix_lens", "page_table", "input_embeds_src", "logprob_target_ids")
-    host = tuple(stack(n) for n in names) + (
-        jax.tree.map(lambda *xs: np.stack(xs), *[w.sampling for w in workers]),)
-    *arrays, sampling = jax.device_put(host, sharding)
+    host = ({name: np.stack([getattr(w, name) for w in workers]) for name in WORKER_BATCH_FIELDS},
+            jax.tree.map(lambda *xs: np.stack(xs), *[w.sampling for w in workers]))
+    arrays, sampling = jax.device_put(host, sharding)
     bucket = workers[0].bucket
     fb = ForwardBatch(forward_mode=bucket.mode, capture_hidden_mode=CaptureHiddenMode.NULL,
                       batch_size=bucket.num_reqs, prev_tokens=prev_tokens,
-                      input_embeds=input_embeds, **dict(zip(names, arrays)))
+                      input_embeds=input_embeds, **arrays)
     return fb, sampling
 
 

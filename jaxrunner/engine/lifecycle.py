@@ -17,8 +17,7 @@ device memory while a trainer runs, bring it back, push new weights, read them b
   flushed, so no prefix computed with the old weights is reused.
 """
 
-# What `release_memory_occupation` / `resume_memory_occupation` take (SGLang's tags).
-MEMORY_TAGS = ("weights", "kv_cache")
+from jaxrunner.runner.memory_tags import check_memory_tags
 
 
 class EngineNotReadyError(RuntimeError):
@@ -95,16 +94,3 @@ class EngineLifecycle:
     def _new_version(self, weight_version: str | None) -> None:
         if weight_version is not None:
             self.weight_version = str(weight_version)
-
-
-def check_memory_tags(tags) -> tuple[str, ...]:
-    """`tags` of release/resume_memory_occupation: None (all) or a list of MEMORY_TAGS."""
-    if tags is None:
-        return MEMORY_TAGS
-    if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
-        raise ValueError(f"tags must be a list of {list(MEMORY_TAGS)} or None, got {tags!r}")
-    unknown = sorted(set(tags) - set(MEMORY_TAGS))
-    if unknown:
-        raise ValueError(f"unknown memory tag(s) {unknown}; the tags are {list(MEMORY_TAGS)}")
-    return tuple(dict.fromkeys(tags))
-

@@ -105,18 +105,6 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype)
     return num_layers * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
-def available_kv_memory(device, weights_bytes: int, mem_fraction_static: float) -> int:
-    """Bytes the KV cache may use: `mem_fraction_static` of the device's memory, less the weights.
-
-    Accelerators report their memory; on a CPU we take the host's available memory.
-    """
-    stats = device.memory_stats()  # None on CPU
-    if stats and "bytes_limit" in stats:
-        total = stats["bytes_limit"]
-        return int(total * mem_fraction_static) - weights_bytes
-    return int(host_available_bytes() * mem_fraction_static) - weights_bytes
-
-
 def host_available_bytes() -> int:
     with open("/proc/meminfo") as f:
         for line in f:

@@ -95,7 +95,7 @@ class ModelWeights:
         _, stored = abstract_state(model_cls, checkpoint_config, dtype, placer)
         # A MoE model's expert tensors have no name table yet: its weights are not updated
         # (`_check_dense`).
-        self.tensors = {} if getattr(config, "is_moe", False) else {
+        self.tensors = {} if config.is_moe else {
             name: TensorSlot(*slot) for name, slot in tensor_shapes(
                 {p: tuple(v.shape) for p, v in nnx.to_flat_state(stored)}).items()}
         self.released = False
@@ -323,11 +323,11 @@ class ModelWeights:
         self.state = nnx.from_flat_state(self._flat)
 
     def _check_dense(self) -> None:
-        if getattr(self.config, "quantization", None) is not None:
+        if self.config.quantization is not None:
             raise ValueError(f"weight updates and get_weights_by_name are not implemented for "
                              f"quantized weights (quantization "
                              f"{self.config.quantization.method!r})")
-        if getattr(self.config, "is_moe", False):
+        if self.config.is_moe:
             raise ValueError(f"weight updates and get_weights_by_name are not implemented for "
                              f"MoE models ({self.config.architecture})")
 

@@ -38,9 +38,11 @@ from jaxrunner.batch.schedule_batch import ModelWorkerBatch
 from jaxrunner.config import EngineArgs
 from jaxrunner.mem_cache.kv_cache import kv_cache_dtype
 from jaxrunner.runner.compile_guard import CompileMonitor
-from jaxrunner.runner.model_runner import SpeculativePlan
+from jaxrunner.runner.model_runner import ModelRunner
+from jaxrunner.runner.step_programs import ForwardModeNotImplemented
 from jaxrunner.speculative.draft_runner import HEADS, DraftRunner, draft_kv_bytes_per_token
 from jaxrunner.speculative.ngram import NgramProposer
+from jaxrunner.speculative.plan import SpeculativePlan
 from jaxrunner.speculative.spec_info import (
     DraftDecodeInput,
     DraftExtendInput,
@@ -49,6 +51,7 @@ from jaxrunner.speculative.spec_info import (
     TreeDraftInput,
     VerifyInput,
 )
+from jaxrunner.split_prefill.step import SplitPrefillState
 from jaxrunner.worker.model_worker import GenerationBatchResult, ModelWorker
 from models.config import ModelConfig
 from models.eagle import DraftHeadConfig
@@ -77,9 +80,25 @@ def _draft_config(args: EngineArgs, target: ModelConfig):
     return None, None, 0
 
 
-class SpeculativeWorker:
-    """`ModelWorker`'s verbs, plus `forward_batch_speculative` and `speculative_window`."""
+_NO_SPLIT_PREFILL = ("forward mode SPLIT_PREFILL is not implemented with speculative decoding "
+                     "(enable_split_prefill with speculative_algorithm)")
 
+
+class SpeculativeWorker:
+    """`ModelWorker`'s verbs (worker/contract.py: WorkerProtocol), plus `propose`,
+    `forward_batch_speculative` and `speculative_window` (SpeculativeWorkerProtocol). What the
+    scheduler reads of the worker is the target's."""
+
+    args: EngineArgs
+    model_runner: ModelRunner
+    max_total_tokens: int
+    context_len: int
+    vocab_size: int
+    speculative_window: int
+    split_prefill_ranges: list[tuple[int, int]]
+    dp_size = 1
+    dllm_plan = None
+    lora_registry = None  # LoRA is refused under speculation (resolve_lora_args)
     # Refused under speculation (Engine._expert_tools, EngineArgs): verify steps drop the
     # target's routed counts.
     expert_recorder = eplb_manager = None
@@ -108,8 +127,11 @@ class SpeculativeWorker:
             capture=heads, draft_buffer=draft_config is not None,
             draft_kv_bytes_per_token=(draft_kv_bytes_per_token(layer, num_layers, args.tp_size,
                                                                kv_dtype) if layer else 0))
-        self.target = ModelWorker(args, model_config, compile_monitor, speculative=plan)
-        runner = self.target.model_runner
+        self.target = target = ModelWorker(args, model_config, compile_monitor, speculative=plan)
+        self.model_runner = runner = target.model_runner
+        self.args, self.max_total_tokens = target.args, target.max_total_tokens
+        self.context_len, self.vocab_size = target.context_len, target.vocab_size
+        self.split_prefill_ranges = target.split_prefill_ranges
         self.draft = (DraftRunner(runner, self.algorithm, draft_config,
                                   args.speculative_draft_model_path, window,
                                   args.speculative_eagle_topk, args.speculative_num_steps)
@@ -117,41 +139,34 @@ class SpeculativeWorker:
         self.topk = args.speculative_eagle_topk
         self.ngram = (NgramProposer(args.speculative_ngram_max_match,
                                     args.speculative_ngram_min_match, self.num_drafts,
-                                    4 * runner.args.max_running_requests, keep=self.topk)
+                                    4 * self.args.max_running_requests, keep=self.topk)
                       if self.algorithm == "NGRAM" else None)
         runner.warm_compile_count = runner.compile_monitor.count
 
     # ---- what the scheduler needs to know (the target's) ----
-
-    @property
-    def model_runner(self):
-        return self.target.model_runner
-
-    @property
-    def args(self) -> EngineArgs:
-        return self.target.args
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.target.max_total_tokens
-
-    @property
-    def context_len(self) -> int:
-        return self.target.context_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.target.vocab_size
-
-    @property
-    def dp_size(self) -> int:
-        return 1
 
     def get_memory_pool(self, dp_rank: int = 0):
         return self.target.get_memory_pool(dp_rank)
 
     def pick_bucket(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
         return self.target.pick_bucket(mode, num_tokens, num_reqs)
+
+    # ---- what config.py refuses to combine with speculative decoding ----
+
+    def forward_batch_dllm(self, batch: ModelWorkerBatch, info) -> np.ndarray:
+        raise ForwardModeNotImplemented("forward mode DLLM_EXTEND is not implemented with "
+                                        "speculative decoding (dllm_algorithm)")
+
+    def begin_split_prefill(self, batch: ModelWorkerBatch,
+                            prev: GenerationBatchResult | None = None) -> SplitPrefillState:
+        raise ForwardModeNotImplemented(_NO_SPLIT_PREFILL)
+
+    def forward_split_prefill(self, split: SplitPrefillState, end: int, vocab_mask_fn=None
+                              ) -> GenerationBatchResult | None:
+        raise ForwardModeNotImplemented(_NO_SPLIT_PREFILL)
+
+    def redirect_split_writes(self, split: SplitPrefillState, out_cache_loc: np.ndarray) -> None:
+        raise ForwardModeNotImplemented(_NO_SPLIT_PREFILL)
 
     # ---- prefill: the target, then the draft over the same tokens ----
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner.batch.forward_batch import ForwardBatch
+from jaxrunner.runner.lm_step import captured_hidden
 from jaxrunner.sampling.sampler import first_argmax
 from jaxrunner.speculative.acceptance import accept_drafts
 
@@ -36,14 +37,6 @@ class DraftState:
     hidden: jax.Array         # [S, H]
     # A draft tree's parent slots i32[S, W] (jaxrunner/speculative/tree.py); None: chains.
     parents: jax.Array | None = None
-
-
-def captured_hidden(hidden, aux):
-    """What an EAGLE head reads of the target: EAGLE-3's aux layers side by side [T, 3D], or
-    the last hidden state after the final norm [T, D]."""
-    if aux is None:
-        return hidden
-    return jnp.concatenate(list(aux), axis=-1)
 
 
 def verify_step(graphdef, backend, moe_runner, aux_layers, capture, state, kv_cache,

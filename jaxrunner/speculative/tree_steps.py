@@ -18,8 +18,9 @@ import jax.numpy as jnp
 
 from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.mem_cache.memory_pool import DUMMY_PAGE
+from jaxrunner.runner.lm_step import captured_hidden
 from jaxrunner.sampling.params import GREEDY_TEMPERATURE
-from jaxrunner.speculative.steps import DraftState, VerifyOutput, captured_hidden
+from jaxrunner.speculative.steps import DraftState, VerifyOutput
 from jaxrunner.speculative.tree import (
     accept_tree_greedy,
     compact_path_kv,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner.batch.forward_batch import ForwardBatch
-from jaxrunner.sampling.step import TOP_LOGPROBS
+from jaxrunner.runner.lm_step import LogitsOutput, no_input_logprobs
 from jaxrunner.split_prefill.layer_range import forward_layer_range
 
 
@@ -32,24 +32,23 @@ class LayerRange:
 def split_prefill_step(graphdef, backend, moe_runner, state, kv_cache, fb: ForwardBatch,
                        hidden: jax.Array, layers: LayerRange):
     """Layers [begin, end) over a prefill batch. hidden [C, D]: the residual stream after layer
-    begin - 1 (any array of that shape for begin == 0). -> ((the fields of a
-    `model_runner.LogitsOutput`, whose logits f32[R, V] of each request's last token are zeros
-    unless `end` is the last layer and whose expert counts are the range's MoE layers'; the
-    residual stream after the range [C, D]), kv_cache)."""
+    begin - 1 (any array of that shape for begin == 0). -> ((a `LogitsOutput` whose logits
+    f32[R, V] of each request's last token are zeros unless `end` is the last layer and whose
+    expert counts are the range's MoE layers'; the residual stream after the range [C, D]),
+    kv_cache)."""
     fb = fb.prepare()
     model = nnx.merge(graphdef, state)
     hidden, kv_cache, expert_counts = forward_layer_range(
         model, fb, kv_cache, backend, moe_runner, hidden, layers.begin, layers.end)
-    R, T, V = fb.batch_size, fb.num_tokens, model.config.vocab_size
+    R, V = fb.batch_size, model.config.vocab_size
     logits = jax.lax.cond(
         layers.end >= model.config.num_hidden_layers,
         lambda h: model.compute_logits(model.model.norm(h[fb.last_token_indices])),
         lambda h: jnp.zeros((R, V), jnp.float32), hidden)
-    # LogitsOutput's fields: no hidden-state capture and no prompt logprobs (the scheduler does
-    # not split a batch that asks for them).
-    fields = (logits, hidden[:0], expert_counts, jnp.zeros(T, jnp.float32),
-              jnp.zeros((T, TOP_LOGPROBS), jnp.int32), jnp.zeros((T, TOP_LOGPROBS), jnp.float32))
-    return (fields, hidden), kv_cache
+    # No hidden-state capture and no prompt logprobs (the scheduler does not split a batch that
+    # asks for them).
+    output = LogitsOutput(logits, hidden[:0], expert_counts, *no_input_logprobs(fb.num_tokens))
+    return (output, hidden), kv_cache
 
 
 def abstract_layer_range() -> LayerRange:

@@ -28,14 +28,18 @@ from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import ModelWorkerBatch
 from jaxrunner.config import EngineArgs
+from jaxrunner.dllm.plan import DllmPlan
 from jaxrunner.eplb.eplb_manager import EPLBManager
 from jaxrunner.eplb.expert_distribution import ExpertDistributionRecorder
 from jaxrunner.lora.adapter import parse_lora_paths
 from jaxrunner.lora.registry import LoraRegistry
 from jaxrunner.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.runner.compile_guard import CompileMonitor
-from jaxrunner.runner.model_runner import LogitsOutput, ModelRunner
+from jaxrunner.runner.lm_step import LogitsOutput
+from jaxrunner.runner.model_runner import ModelRunner
+from jaxrunner.runner.run_plan import plan_run
 from jaxrunner.sampling.step import SamplerOutput
+from jaxrunner.speculative.plan import SpeculativePlan
 from jaxrunner.split_prefill.step import LayerRange, SplitPrefillState
 from models.config import ModelConfig
 
@@ -77,28 +81,45 @@ class GenerationBatchResult:
 
 
 class ModelWorker:
-    """Owns the ModelRunner; builds forward batches and returns results."""
+    """Owns the ModelRunner; builds forward batches and returns results. The engine arguments
+    are resolved once, before the runner is built (`runner.run_plan.plan_run`): `args` holds
+    them with every limit chosen."""
+
+    args: EngineArgs
+    model_runner: ModelRunner
+    max_total_tokens: int
+    context_len: int
+    vocab_size: int                # rows of the logits: the width of a token bitmask (grammars)
+    dp_size: int
+    dllm_plan: DllmPlan | None     # a block-diffusion LM's plan; None for an autoregressive LM
+    split_prefill_ranges: list[tuple[int, int]]
+    # LoRA: the adapters and the slots they occupy (the scheduler pins and swaps them).
+    lora_registry: LoraRegistry | None = None
+    # A MoE model's routed-token recorder and expert rebalancer; None for a dense model.
+    expert_recorder: ExpertDistributionRecorder | None = None
+    eplb_manager: EPLBManager | None = None
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig,
-                 compile_monitor: CompileMonitor | None = None, speculative=None):
-        """`speculative`: a `model_runner.SpeculativePlan` for the target of speculative
-        decoding (`speculative.spec_worker.SpeculativeWorker` builds this worker)."""
-        self.model_runner = runner = ModelRunner(args, model_config, compile_monitor,
-                                                 speculative=speculative)
-        self.expert_recorder = self.eplb_manager = None
-        self.split_prefill_ranges = runner.args.split_prefill_ranges(
+                 compile_monitor: CompileMonitor | None = None,
+                 speculative: SpeculativePlan | None = None):
+        """`speculative`: the plan of the target of speculative decoding
+        (`speculative.spec_worker.SpeculativeWorker` builds this worker)."""
+        plan = plan_run(args, model_config, speculative=speculative)
+        self.args = args = plan.args
+        self.model_runner = runner = ModelRunner(plan, compile_monitor)
+        self.max_total_tokens, self.context_len = runner.max_total_tokens, runner.context_len
+        self.vocab_size = runner.model_config.vocab_size
+        self.dp_size = runner.parallel.dp_size
+        self.dllm_plan = plan.dllm
+        self.split_prefill_ranges = args.split_prefill_ranges(
             runner.model_config.num_hidden_layers)
-        # LoRA: the adapters and the slots they occupy (the scheduler pins and swaps them).
-        self.lora_registry = None
         if runner.lora_pool is not None:
-            args = runner.args
             self.lora_registry = LoraRegistry(
                 model_config, args.max_loras_per_batch, args.max_lora_rank,
                 runner.lora_pool.modules, runner.lora_pool.write)
             for name, path in parse_lora_paths(args.lora_paths):
                 self.lora_registry.load(name, path)
         if runner.sharded_config.is_moe:
-            args = runner.args
             self.expert_recorder = ExpertDistributionRecorder(
                 runner, args.expert_distribution_recorder_mode,
                 args.expert_distribution_recorder_buffer_size,
@@ -108,33 +129,6 @@ class ModelWorker:
                 on_placement_change=self.expert_recorder.flush_placement)
 
     # ---- what the scheduler needs to know ----
-
-    @property
-    def args(self) -> EngineArgs:
-        """The engine arguments with every limit resolved (jaxrunner/defaults.py)."""
-        return self.model_runner.args
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.model_runner.max_total_tokens
-
-    @property
-    def context_len(self) -> int:
-        return self.model_runner.context_len
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the logits: the width of a token bitmask (grammars)."""
-        return self.model_runner.model_config.vocab_size
-
-    @property
-    def dllm_plan(self):
-        """The block-diffusion plan (`dllm.plan.DllmPlan`), or None for an autoregressive LM."""
-        return self.model_runner.dllm
-
-    @property
-    def dp_size(self) -> int:
-        return self.model_runner.parallel.dp_size
 
     def get_memory_pool(self, dp_rank: int = 0) -> tuple[ReqToTokenPool, PageAllocator]:
         """The request slots and KV page allocator a scheduler (of one DP rank) books into."""
@@ -221,8 +215,7 @@ class ModelWorker:
         None (their residual stream stays in `split`, on the device)."""
         runner = self.model_runner
         layers = jax.device_put(LayerRange(np.int32(split.layers_done), np.int32(end)))
-        logits_output, split.hidden = runner.forward_split_prefill(split.forward_batch,
-                                                                   split.hidden, layers)
+        logits_output, split.hidden = runner.forward(split.forward_batch, split.hidden, layers)
         split.layers_done = end
         if end < runner.model_config.num_hidden_layers:
             if self.eplb_manager is not None:  # each range routes its own layers' tokens

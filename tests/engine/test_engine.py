@@ -14,7 +14,7 @@ from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.runner.compile_guard import COMPILE_EVENT, CompileAfterWarmupError
-from jaxrunner.runner.model_runner import ForwardModeNotImplemented
+from jaxrunner.runner.step_programs import ForwardModeNotImplemented
 from jaxrunner.sampling.params import SamplingParams
 
 
@@ -291,14 +291,13 @@ def test_a_running_requests_prompt_is_shared_before_it_finishes(engine):
 
 @pytest.mark.parametrize("mode", list(ForwardMode), ids=lambda m: m.name)
 def test_every_forward_mode_runs_its_own_path_or_names_itself(engine, mode, monkeypatch):
-    """ModelRunner.forward sends DECODE to the decode path and EXTEND/MIXED to the extend path;
-    every other mode raises an error naming it, rather than running as another."""
+    """ModelRunner.forward sends DECODE to the decode program and EXTEND/MIXED to the extend
+    program; every other mode raises an error naming it, rather than running as another."""
     runner, scheduler = engine.runner, engine.scheduler
     taken = []
-    for path in ("forward_decode", "forward_extend"):
-        original = getattr(runner, path)
-        monkeypatch.setattr(runner, path, lambda fb, _o=original, _p=path: (taken.append(_p),
-                                                                            _o(fb))[1])
+    original = runner.steps.executable
+    monkeypatch.setattr(runner.steps, "executable", lambda bucket, capture: (
+        taken.append(bucket.mode), original(bucket, capture))[1])
     decode_shaped = mode.is_batch_size_bucketed()
     reqs = [Req(rid=10_000 + i, origin_input_ids=[5 + i], sampling_params=SamplingParams(
         temperature=0.0).normalized(), seed=0, max_new_tokens=1, eos_token_ids=frozenset())
@@ -314,7 +313,7 @@ def test_every_forward_mode_runs_its_own_path_or_names_itself(engine, mode, monk
         if mode in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED):
             logits = np.asarray(runner.forward(fb).next_token_logits)
             assert np.isfinite(logits[:2]).all()
-            assert taken == ["forward_decode" if mode.is_decode() else "forward_extend"]
+            assert taken == [ForwardMode.DECODE if mode.is_decode() else ForwardMode.EXTEND]
         else:
             with pytest.raises(ForwardModeNotImplemented, match=mode.name):
                 runner.forward(fb)

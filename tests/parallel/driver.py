@@ -54,7 +54,7 @@ def main(spec: dict) -> dict:
                             num_devices=engine.runner.parallel.num_devices,
                             kv_cache_shape=list(engine.runner.token_to_kv_pool.layer_shape),
                             jax_devices=jax.device_count(),
-                            executable_cache_hits=getattr(engine.runner.executable_cache,
+                            executable_cache_hits=getattr(engine.runner.compiler.cache,
                                                           "hits", 0), **extra))
         if rebalance:
             results[-1].update(rebalance_report(engine, spec["skewed_prompts"], params),

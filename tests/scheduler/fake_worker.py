@@ -83,8 +83,13 @@ class FakeResult:
 
 @dataclass
 class FakeWorker:
-    """`ModelWorker`'s verbs: `args`, `get_memory_pool`, `pick_bucket`,
-    `forward_batch_generation`, `lora_registry` (None: no LoRA) and split prefill's."""
+    """`ModelWorker`'s verbs and facts (jaxrunner/worker/contract.py: WorkerProtocol) over the
+    fake model; the features it lacks are None (`lora_registry` too), as on a worker without
+    them."""
+
+    # Not dataclass fields: the features a plain dense model's worker has none of.
+    model_runner = dllm_plan = expert_recorder = eplb_manager = None
+    dp_size = 1
 
     args: EngineArgs
     num_pages: int
@@ -96,6 +101,7 @@ class FakeWorker:
     lora_registry: object = None
     # What each launch ran, in order: a batch's mode name, or ("RANGE", end) for a split range.
     events: list = field(default_factory=list)
+    split_prefill_ranges: list = field(init=False)  # `args.split_prefill_ranges(num_layers)`
 
     def __post_init__(self):
         ps = self.args.page_size
@@ -116,8 +122,15 @@ class FakeWorker:
                     max_prefill_tokens=64, disable_overlap_schedule=True)
         return cls(EngineArgs(**dict(args, **overrides)), num_pages)
 
+    @property
+    def max_total_tokens(self) -> int:
+        return (self.num_pages - 1) * self.args.page_size  # the dummy page holds none
+
     def get_memory_pool(self, dp_rank: int = 0):
         return self.req_to_token_pool, self.allocator
+
+    def forward_batch_dllm(self, batch: ModelWorkerBatch, info):
+        raise NotImplementedError("the fake model has no DLLM_EXTEND step")
 
     def pick_bucket(self, mode, num_tokens, num_reqs):
         return pick_bucket(self.buckets, executable_mode(mode), num_tokens, num_reqs)

@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 import torch
 from transformers import AutoModelForCausalLM
 
+from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.speculative.ngram import NgramProposer
 from tests.engine.test_engine import CompileCounter, assert_no_kv_cache_copy
 from tests.speculative.test_speculative import eagle_head, run, torch_head, workload  # noqa: F401
@@ -42,10 +43,12 @@ def _two_rounds(engine, prompt, continuation):
     draft = engine.worker.draft
     slot = req.req_pool_idx
     rounds = []
-    tree_step = draft.forward_target_verify
+    forward = draft.forward
 
     def spy(fb):
-        scores = tree_step(fb)
+        scores = forward(fb)
+        if fb.forward_mode != ForwardMode.TARGET_VERIFY:  # the tree step's only
+            return scores
         state = draft.draft_state
         _, tokens, parents = jax.device_get((scores, state.tokens, state.parents))
         rounds.append((prompt + list(req.output_ids),
@@ -62,12 +65,12 @@ def _two_rounds(engine, prompt, continuation):
                 state, tokens=jax.device_put(tokens, state.tokens.sharding))
         return scores
 
-    draft.forward_target_verify = spy
+    draft.forward = spy
     try:
         for _ in range(2):
             engine.step()
     finally:
-        del draft.forward_target_verify
+        del draft.forward
     assert len(rounds[1][0]) == len(prompt) + 1 + STEPS + 1, "the given path was not accepted"
     while engine.has_unfinished_requests:
         engine.step()

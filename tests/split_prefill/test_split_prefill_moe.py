@@ -46,7 +46,7 @@ def _prefill(engine, prompts, ranges=None):
             return np.asarray(out.next_token_logits), np.asarray(out.expert_counts)
         hidden, counts = runner.no_input_embeds, 0
         for begin, end in ranges:
-            out, hidden = runner.forward_split_prefill(
+            out, hidden = runner.forward(
                 fb, hidden, jax.device_put(LayerRange(np.int32(begin), np.int32(end))))
             counts = counts + np.asarray(out.expert_counts)
         return np.asarray(out.next_token_logits), counts

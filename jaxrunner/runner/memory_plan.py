@@ -1,0 +1,130 @@
+"""The memory plan: how many KV pages, request slots and prefill tokens a run gets.
+
+A pure function of the engine arguments, the model's config, the platform and what the device
+offers (`DeviceBytes`: its memory, and the weights' and LoRA slots' bytes per device computed
+from abstract shapes before anything is loaded). It runs once, before the runner is built; its
+`args` are the engine arguments every layer above reads (`ModelWorker.args`), never rewritten
+afterwards. The limits the caller left out are chosen for the platform (jaxrunner/defaults.py)
+and capped by the KV capacity:
+
+1. `max_running_requests`, `max_prefill_tokens`: the platform's defaults where None;
+2. KV bytes per token per device: the model's KV heads on one device, plus a speculative draft's
+   (its KV lives on the same pages);
+3. the KV budget: `max_total_tokens`, or `mem_fraction_static` of the device's memory less the
+   weights, the LoRA slots and the request slots' sampling state (on a CPU also at most
+   `defaults.CPU_MAX_KV_BYTES`, and no more than every running request at full context);
+4. pages of `page_size` (and the dummy page 0), then the defaulted limits capped by them
+   (`defaults.fit_to_kv`).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from jaxrunner import defaults
+from jaxrunner.config import EngineArgs
+from jaxrunner.mem_cache import kv_cache
+from jaxrunner.mem_cache.kv_cache import kv_bytes_per_token
+from jaxrunner.sampling.penalties import slot_state_bytes
+from models.config import ModelConfig
+from models.sharding import sharded_model_config
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    """What the plan reads of the device, per device."""
+
+    # What `mem_fraction_static` is a fraction of: the accelerator's memory, or the host's
+    # available memory on a CPU (`device_memory`); None: no device to size the KV cache from
+    # (lowering for another platform).
+    memory: int | None
+    weights: int = 0               # the model's weights
+    lora_pool: int = 0             # the LoRA adapter slots
+    draft_kv_per_token: int = 0    # a speculative draft's KV bytes per token, on the same pages
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    args: EngineArgs               # max_running_requests and max_prefill_tokens resolved
+    context_len: int
+    kv_bytes_per_token: int        # per device, a draft's included
+    num_pages: int                 # per DP rank, the dummy page included
+    max_total_tokens: int          # the pages' tokens, the dummy page's not
+    max_pages_per_req: int         # pages of a request at full context
+
+    @property
+    def num_slots(self) -> int:
+        """Request slots per DP rank: requests that are prefilling also hold one, so one prefill
+        batch fits on top of the running requests."""
+        return self.args.max_running_requests + 1
+
+
+def device_memory(device) -> int:
+    """The memory `mem_fraction_static` is a fraction of: the accelerator's, or on a CPU the
+    host's available memory."""
+    stats = device.memory_stats()  # None on CPU
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"]
+    return kv_cache.host_available_bytes()
+
+
+def kv_cache_dtype(args: EngineArgs, model_config: ModelConfig):
+    """The KV cache's dtype: `kv_cache_dtype`, "auto" the model's."""
+    return kv_cache.kv_cache_dtype(args.kv_cache_dtype,
+                                   jnp.dtype(model_config.resolve_dtype(args.dtype)))
+
+
+def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
+                device: DeviceBytes, attention_backend: str = "auto") -> MemoryPlan:
+    """The run's memory plan (see the module's docstring). `model_config`: the checkpoint's,
+    quantization resolved; `attention_backend` resolved (the TPU kernel bounds the running
+    requests). Raises ValueError when the KV cache cannot hold a page or the chunked prefill
+    exceeds the prefill limit it leaves."""
+    context_len = args.context_length or model_config.max_position_embeddings
+    max_pages_per_req = -(-context_len // args.page_size)
+    running = args.max_running_requests or defaults.default_max_running_requests(
+        platform, attention_backend, max_pages_per_req)
+    prefill = args.max_prefill_tokens or max(defaults.default_max_prefill_tokens(platform),
+                                             args.chunked_prefill_size or 0)
+    sharded = sharded_model_config(model_config, args.tp_size, args.ep_num_redundant_experts)
+    # Per device: each holds its KV heads' slice of every page.
+    per_token = kv_bytes_per_token(sharded.num_hidden_layers,
+                                   sharded.num_key_value_heads // args.tp_size, sharded.head_dim,
+                                   kv_cache_dtype(args, model_config))
+    per_token += device.draft_kv_per_token
+    max_total_tokens = args.max_total_tokens
+    if max_total_tokens is None:
+        max_total_tokens = _kv_capacity(args, platform, device, per_token, running, context_len,
+                                        sharded.vocab_size)
+    num_pages = max_total_tokens // args.page_size + 1  # + the dummy page
+    if num_pages < 2:
+        raise ValueError(f"no memory left for the KV cache ({max_total_tokens} tokens); lower "
+                         f"mem_fraction_static's load or pass max_total_tokens")
+    max_total_tokens = (num_pages - 1) * args.page_size
+    fit_running, fit_prefill = defaults.fit_to_kv(running, prefill, max_total_tokens,
+                                                  args.page_size)
+    # EngineArgs checks the resolved limits (a chunked prefill within the prefill limit).
+    resolved = dataclasses.replace(
+        args, max_running_requests=args.max_running_requests or fit_running,
+        max_prefill_tokens=args.max_prefill_tokens or fit_prefill)
+    return MemoryPlan(resolved, context_len, per_token, num_pages, max_total_tokens,
+                      max_pages_per_req)
+
+
+def _kv_capacity(args: EngineArgs, platform: str, device: DeviceBytes, per_token: int,
+                 running: int, context_len: int, vocab_size: int) -> int:
+    """The tokens the KV cache may hold when `max_total_tokens` is left out."""
+    if device.memory is None:
+        raise ValueError("the KV cache needs max_total_tokens: there is no device memory to "
+                         "size it from")
+    budget = int(device.memory * args.mem_fraction_static) - device.weights
+    # The adapter slots and the request slots' sampling state (jaxrunner/sampling/penalties.py)
+    # are taken before the KV cache.
+    budget -= device.lora_pool + args.dp_size * slot_state_bytes(running + 1, vocab_size)
+    tokens = budget // per_token
+    if platform == "cpu":
+        # Host memory is shared with everything else, and more than every running request at
+        # full context buys nothing (jaxrunner/defaults.py).
+        tokens = min(tokens, defaults.CPU_MAX_KV_BYTES // per_token, running * context_len)
+    return tokens
