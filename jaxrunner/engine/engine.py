@@ -87,8 +87,7 @@ class Engine(EngineLifecycle):
                                               self.grammar_cache, self.tokenizer is not None,
                                               self.args.random_seed,
                                               speculative=self.args.speculative_algorithm,
-                                              check=(self.scheduler.check_request
-                                                     if self.args.dllm_algorithm else None))
+                                              check=self.scheduler.check_request)
         # Start-up objects (model, executables, tokenizer) live as long as the engine: freezing
         # them keeps the cyclic GC's full collections, which pause a step for ~0.3 s here, short.
         gc.collect()
@@ -315,7 +314,7 @@ class Engine(EngineLifecycle):
     def lora_registry(self):
         """The adapters and their device slots (jaxrunner/lora/registry.py); None without
         LoRA."""
-        return getattr(self.worker, "lora_registry", None)  # a speculative worker has none
+        return self.worker.lora_registry  # a speculative worker has none
 
     def lora_adapter(self, name: str | None):
         """The loaded adapter `name` (None: the base model); ValueError naming an unknown one,
