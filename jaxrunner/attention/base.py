@@ -14,6 +14,8 @@ slice of the cache is ever materialised).
 """
 
 import abc
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -73,6 +75,15 @@ class AttentionBackend(abc.ABC):
                                      v.astype(f32) / v_scale, kv_cache, layer, forward_batch,
                                      metadata)
         return (out.astype(f32) * v_scale).astype(q.dtype), kv_cache
+
+    def for_layers(self, *, sliding_window: int | None, num_layers: int) -> "AttentionBackend":
+        """This backend for the layers of one attention kind (models/layer_types.py): their
+        window, and the number of layers in the cache they attend over (their KV pool's). A
+        copy: backends hold configuration only, no arrays."""
+        clone = copy.copy(self)
+        clone.config = dataclasses.replace(self.config, sliding_window=sliding_window,
+                                           num_layers=num_layers)
+        return clone
 
     def page_offset(self, kv_cache: jax.Array, layer: jax.Array) -> jax.Array:
         """The row of `layer`'s page 0 in the flat cache."""

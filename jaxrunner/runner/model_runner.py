@@ -159,10 +159,11 @@ class ModelRunner:
 
     def init_attention_backend(self) -> None:
         cfg = self.sharded_config
+        # Each layer's window comes with its attention kind (models/layers/decoder_stack.py).
         attn_config = AttentionConfig(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.head_dim ** -0.5,
-            num_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
+            head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.sm_scale,
+            num_layers=cfg.num_hidden_layers, soft_cap=cfg.attn_logit_softcap,
             kv_dtype=self.kv_cache_dtype.name)
         self.attn_backend = create_attention_backend(self.attention_backend_name, attn_config,
                                                      interpret=self.args.pallas_interpret,

@@ -131,8 +131,9 @@ class DraftRunner:
         cfg = self.sharded_config
         attn_config = AttentionConfig(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.head_dim ** -0.5,
-            num_layers=self.num_layers, sliding_window=cfg.sliding_window)
+            head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.sm_scale,
+            num_layers=self.num_layers, sliding_window=cfg.sliding_window,
+            soft_cap=cfg.attn_logit_softcap)
         self.attn_backend = create_attention_backend(self.target.attention_backend_name,
                                                      attn_config,
                                                      interpret=self.args.pallas_interpret,
