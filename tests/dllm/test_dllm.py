@@ -1,7 +1,7 @@
 """Block-diffusion decoding (DLLM_EXTEND, SDAR, LowConfidence) end to end on tiny-sdar.
 
-The oracle is tests/dllm/dllm_reference.py: float32 numpy that recomputes the whole sequence every
-step with a dense block-causal mask (no KV cache, no engine code), itself checked against
+The oracle is tests/support/dllm_reference.py: float32 numpy that recomputes the whole sequence
+every step with a dense block-causal mask (no KV cache, no engine code), itself checked against
 Hugging Face Qwen3 on the same weights (SDAR's network is Qwen3's). The engine must commit the
 same tokens at every step of every block, for ragged batches of requests at different blocks
 and steps, without compiling after start-up, and give every page back.
@@ -17,9 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from jaxrunner.config import EngineArgs
-from tests.dllm.dllm_reference import Qwen3Reference, generate
-from tests.engine.test_engine import CompileCounter, _all_pages_free
-from tests.engine.test_engine import test_no_executable_copies_the_kv_cache as check_no_kv_copies
+from tests.support.dllm_reference import Qwen3Reference, generate
+from tests.support.engine import CompileCounter, all_pages_free, assert_no_kv_cache_copy
 
 BLOCK, STEPS, THRESHOLD, MASK = 4, 3, 0.9, 1023
 
@@ -88,7 +87,7 @@ def test_engine_matches_reference_for_ragged_batches(engine, reference):
         if round_ == 1:  # the whole blocks of whole pages of the prompts: 16 tokens and more
             assert [o["meta_info"]["cached_tokens"] for o in outs] == [
                 n // 16 * 16 for n in lens]
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_stop_token_ends_the_request_in_the_block_that_commits_it(engine, reference):
@@ -104,7 +103,7 @@ def test_stop_token_ends_the_request_in_the_block_that_commits_it(engine, refere
     assert outs[0]["output_ids"] == cut
     assert outs[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert outs[1]["output_ids"] == free_run
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_abort_mid_block_frees_everything(engine):
@@ -118,7 +117,7 @@ def test_abort_mid_block_frees_everything(engine):
         engine.abort_request(req)
     assert all(r.finished_reason["type"] == "abort" for r in reqs)
     assert not engine.scheduler.has_work and not engine.scheduler.blocks
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_sampling_is_seeded(engine):
@@ -130,7 +129,7 @@ def test_sampling_is_seeded(engine):
     assert a["output_ids"] == b["output_ids"]
     assert len(a["output_ids"]) == 8 and MASK not in a["output_ids"]
     assert {tuple(c["output_ids"]), tuple(greedy["output_ids"])} != {tuple(a["output_ids"])}
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 @pytest.mark.parametrize("params, kwargs, message", [
@@ -151,11 +150,11 @@ def test_unsupported_options_are_refused_and_the_engine_keeps_serving(engine, pa
     out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4,
                                                              "ignore_eos": True})
     assert len(out["output_ids"]) == 4
-    assert not engine.scheduler.has_work and _all_pages_free(engine)
+    assert not engine.scheduler.has_work and all_pages_free(engine)
 
 
 def test_no_executable_copies_the_kv_cache(engine):
-    check_no_kv_copies(engine)
+    assert_no_kv_cache_copy(engine.runner)
 
 
 def _checkpoint_without_mask(sdar, tmp_path):

@@ -3,7 +3,7 @@ one TP 4 model (2 devices each) in lock-step and produce the tokens of a one-pro
 
 import socket
 
-from tests.parallel.conftest import run_drivers
+from tests.support.parallel import run_drivers
 
 
 def _free_port() -> int:
