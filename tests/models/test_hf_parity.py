@@ -11,20 +11,21 @@ from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from jaxrunner.eplb.expert_distribution import ExpertDistributionRecorder
-from models.config import ModelConfig
 from tests.support.parity import prefill_logits, prompts_of_lengths
 
 PROMPT_LENS = [1, 7, 16, 33, 64, 100, 5, 170]  # 8 prompts, ragged, crossing page boundaries
+# The 8 prompts in one 512-token prefill, and 8 decode rows (16 add 10 step executables).
+PARITY_ENGINE = dict(max_running_requests=len(PROMPT_LENS), max_prefill_tokens=512)
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-llama-options", "tiny-qwen2",
                                         "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
 def models(request, checkpoint, engine_kwargs):
     path = checkpoint(request.param)
-    if ModelConfig.from_pretrained(path).is_moe or request.param == "tiny-llama-options":
-        # MoE steps compile in about 2.5x a dense step's time, and Llama's options need no other
-        # batch shapes than tiny-llama's: fewer buckets (8 decode rows hold the 8 prompts).
-        engine_kwargs = dict(engine_kwargs, max_running_requests=len(PROMPT_LENS))
+    if request.param != "tiny-llama":
+        # tiny-llama keeps the suite engine, whose executables other modules compile anyway; the
+        # others compile their own, and the 8 prompts need no more than PARITY_ENGINE's buckets.
+        engine_kwargs = dict(engine_kwargs, **PARITY_ENGINE)
     engine = Engine(model_path=str(path), **engine_kwargs)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yield engine, hf
