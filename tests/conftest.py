@@ -4,12 +4,12 @@ both pytest-xdist workers, which make each checkpoint once under a file lock).""
 import os
 from pathlib import Path
 
-from filelock import FileLock
 import pytest
 import torch
 
 from models.loading import orbax_checkpoint
 from models.testing.random_checkpoint import cached_checkpoint
+from tests.support.files import made_once
 from tests.support.presets import SUITE_ENGINE
 from tests.support.quantization import make_fp8_block_checkpoints
 
@@ -27,16 +27,6 @@ def shared_tmp(tmp_path_factory) -> Path:
     pytest-xdist, the parent of the workers' own)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-def made_once(path: Path, make) -> Path:
-    """`path`, made by `make(path)` unless it exists: by the first worker to ask, while the
-    others wait for it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        if not path.exists():
-            make(path)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -3,21 +3,23 @@
 import pytest
 
 from models.testing.random_checkpoint import make_eagle_checkpoint
+from tests.support.files import made_once
 from tests.support.speculative import serve_checked, speculative_workload
 
 
 @pytest.fixture(scope="session")
 def eagle_head(checkpoint_root):
     """`eagle_head(algorithm, target_preset)` -> a random EAGLE or EAGLE-3 head for the preset
-    (reading layers 0, 1 and 1 for EAGLE-3), made once per session."""
+    (reading layers 0, 1 and 1 for EAGLE-3), made once per run."""
     made = {}
 
     def get(algorithm, target_preset):
         key = (algorithm, target_preset)
         if key not in made:
-            out = checkpoint_root / f"{target_preset}-{algorithm.lower()}"
-            made[key] = make_eagle_checkpoint(out, algorithm, target_preset,
-                                              aux_layer_ids=[0, 1, 1])
+            made[key] = made_once(
+                checkpoint_root / f"{target_preset}-{algorithm.lower()}",
+                lambda path: make_eagle_checkpoint(path, algorithm, target_preset,
+                                                   aux_layer_ids=[0, 1, 1]))
         return made[key]
     return get
 
