@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.parallel.conftest import run_driver
+from tests.support.parallel import SKEWED_PROMPTS, run_driver
 
 EP_RUNS = [{"tp_size": 1}, {"tp_size": 2, "ep_size": 2}, {"tp_size": 4, "ep_size": 4},
            {"tp_size": 8, "ep_size": 8}, {"dp_size": 2, "tp_size": 2, "ep_size": 4},
@@ -17,14 +17,12 @@ EP_RUNS = [{"tp_size": 1}, {"tp_size": 2, "ep_size": 2}, {"tp_size": 4, "ep_size
            {"tp_size": 4, "ep_size": 4},
            # EPLB: 4 redundant slots (12 = 3 per rank), rebalanced on demand.
            {"tp_size": 4, "ep_size": 4, "ep_num_redundant_experts": 4, "rebalance": True}]
-# Every prompt the same token over and over: every token of a layer picks the same experts.
-SKEWED = [[7] * 40, [7] * 25, [7] * 12, [7] * 3]
 
 
 @pytest.fixture(scope="module")
 def ep_runs(checkpoint, parallel_spec):
     spec = parallel_spec(checkpoint("tiny-qwen3-moe"), EP_RUNS, decode_hlo=True,
-                         skewed_prompts=SKEWED)
+                         skewed_prompts=SKEWED_PROMPTS)
     return run_driver(spec, timeout=1200)["results"]
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.testing.random_checkpoint import cached_checkpoint
-from tests.parallel.conftest import run_drivers
+from tests.support.parallel import run_drivers
 
 
 def _free_port() -> int:

@@ -10,9 +10,7 @@ import pytest
 
 from models.layers.moe import trivial_placement
 from models.sharding import partition_spec
-from tests.models.quantization.test_quantization_formats import fp8_checkpoints  # noqa: F401 (a fixture)
-from tests.parallel.conftest import run_driver
-from tests.parallel.test_expert_parallel import SKEWED
+from tests.support.parallel import SKEWED_PROMPTS, run_driver
 
 RUNS = [{"tp_size": 1, "quantization": "int8"}, {"tp_size": 2, "quantization": "int8"},
         {"tp_size": 4, "quantization": "int8", "kv_cache_dtype": "fp8_e4m3"},
@@ -32,7 +30,7 @@ def test_quantized_tp_matches_one_device_without_compiles(runs):
     assert all(r["compiles_after_warmup"] == 0 for r in runs)
 
 
-def test_block_fp8_checkpoint_tp2_matches_tp1(fp8_checkpoints, parallel_spec):  # noqa: F811
+def test_block_fp8_checkpoint_tp2_matches_tp1(fp8_checkpoints, parallel_spec):
     tp1, tp2 = run_driver(parallel_spec(fp8_checkpoints[0], [{"tp_size": 1},
                                                              {"tp_size": 2}]))["results"]
     assert tp2["num_devices"] == 2
@@ -48,7 +46,7 @@ MOE_RUNS = [{"tp_size": 1}, {"tp_size": 2},
 
 def test_quantized_experts_under_tp_ep_and_eplb(checkpoint, parallel_spec):
     runs = [dict(run, quantization="int8") for run in MOE_RUNS]
-    spec = parallel_spec(checkpoint("tiny-qwen3-moe"), runs, skewed_prompts=SKEWED)
+    spec = parallel_spec(checkpoint("tiny-qwen3-moe"), runs, skewed_prompts=SKEWED_PROMPTS)
     tp1, tp2, eplb = run_driver(spec, timeout=1200)["results"]
     for run in (tp2, eplb):
         assert run["output_ids"] == tp1["output_ids"], run

@@ -1,4 +1,4 @@
-"""The scheduler's per-request output rules on the fake worker (tests/scheduler/fake_worker.py):
+"""The scheduler's per-request output rules on the fake worker (tests/support/fake_worker.py):
 grammar masks under overlapped scheduling, n samples sharing their prompt's KV, min_new_tokens and
 stop_regex. Milliseconds each, no jax."""
 
@@ -11,8 +11,8 @@ from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req
 from jaxrunner.sampling.params import SamplingParams
 from jaxrunner.scheduler.scheduler import Scheduler
-from tests.scheduler.fake_worker import VOCAB, FakeWorker, reference_tokens
-from tests.scheduler.test_scheduler_fake_worker import assert_all_free, random_prompts, run_all
+from tests.support.fake_worker import VOCAB, FakeWorker, reference_tokens
+from tests.support.scheduler import assert_all_free, random_prompts, run_all
 
 _rids = itertools.count(10_000)
 

@@ -6,7 +6,7 @@ import itertools
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.support.server import MODEL_NAME
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8,
               "temperature": 0.0}
