@@ -1,6 +1,8 @@
 """The `jaxrunner` command. `jaxrunner serve --model-path DIR [--host --port ...]` starts the
 HTTP server; its engine flags are generated from the `EngineArgs` fields (names with dashes, help
-from the comments above each field), so a new engine option is a CLI flag with no edit here."""
+from the comments above each field), so a new engine option is a CLI flag with no edit here.
+`jaxrunner compile-check --model-path DIR --target v6e-4 [engine flags] [--json OUT]` answers
+whether the model runs on that slice, and with how much KV cache (jaxrunner/compile_check)."""
 
 import argparse
 import asyncio
@@ -8,11 +10,13 @@ import dataclasses
 import inspect
 import logging
 import re
+import sys
 import types
 import typing
 
 import uvicorn
 
+from jaxrunner import compile_check
 from jaxrunner.config import EngineArgs
 from jaxrunner.engine.base import ServingEngine
 from jaxrunner.engine.engine import Engine
@@ -143,11 +147,22 @@ class _GracefulServer(uvicorn.Server):
         self._captured_signals = []
 
 
+def add_compile_check_args(parser: argparse.ArgumentParser) -> None:
+    compile_check.add_check_args(parser)
+    add_engine_args(parser)
+    # Left out, the mesh takes every device of the slice.
+    parser.set_defaults(tp_size=None)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="jaxrunner", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="start the HTTP server"))
+    add_compile_check_args(sub.add_parser(
+        "compile-check", help="will a model run on a TPU or GPU slice, and with how much KV?"))
     ns = parser.parse_args(argv)
+    if ns.command == "compile-check":
+        sys.exit(compile_check.run(engine_args_from(ns), ns.target, ns.json_out))
     if ns.command == "serve":
         try:
             EngineArgs(**engine_args_from(ns))

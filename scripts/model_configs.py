@@ -14,7 +14,23 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
-CONFIGS = {"llama3-8b": LLAMA3_8B}
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64)
+QWEN3_32B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120,
+    "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+QWEN3_30B_A3B = dict(QWEN3_32B, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                     hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[])
+CONFIGS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+           "qwen3-32b": QWEN3_32B}
 
 
 def write_config(name: str, directory: str | Path) -> Path:

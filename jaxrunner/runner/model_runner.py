@@ -46,7 +46,7 @@ from jaxrunner.runner.lm_step import LogitsOutput
 from jaxrunner.runner.memory_tags import check_memory_tags
 from jaxrunner.runner.model_layout import abstract_weights, load_weights
 from jaxrunner.runner.model_weights import ModelWeights
-from jaxrunner.runner.run_plan import RunPlan, plan_run
+from jaxrunner.runner.run_plan import RunPlan, fit_memory_to_programs, plan_run
 from jaxrunner.runner.step_programs import StepModel, StepShapes, step_programs
 from jaxrunner.sampling.batch import SlotEntry, SlotInit
 from jaxrunner.sampling.penalties import (
@@ -60,7 +60,8 @@ from jaxrunner.sampling.penalties import (
 )
 from jaxrunner.sampling.sampler import SamplingBatch, abstract_sampling_batch
 from jaxrunner.sampling.step import SamplerOutput, sampling_step, vocab_mask_width
-from kernels_pallas import lowering
+from jaxrunner.speculative.plan import SpeculativePlan
+from kernels_pallas import lowering, targets
 from models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -90,9 +91,7 @@ class ModelRunner:
         self.attention_backend_name = plan.attention_backend
         self.abstract, self.lowering_target = plan.abstract, plan.lowering_target
         self.dllm = plan.dllm
-        memory = plan.memory
-        self.context_len, self.max_total_tokens = memory.context_len, memory.max_total_tokens
-        self.max_pages_per_req = memory.max_pages_per_req
+        self._read_memory_plan(plan)
         self.compile_monitor = compile_monitor or CompileMonitor()
         # What a step's per-batch inputs and outputs and the sampler's are placed with: under
         # DP attention (jaxrunner/dp_attention/worker.py) each rank's row of a [dp, ...] batch
@@ -106,6 +105,13 @@ class ModelRunner:
         self.init_attention_backend()
         self.init_step_programs()
         self.precompile()
+        self.fit_kv_to_programs()
+
+    def _read_memory_plan(self, plan: RunPlan) -> None:
+        self.run_plan = plan
+        memory = plan.memory
+        self.context_len, self.max_total_tokens = memory.context_len, memory.max_total_tokens
+        self.max_pages_per_req = memory.max_pages_per_req
 
     # ---- initialisation, in order ----
 
@@ -194,8 +200,11 @@ class ModelRunner:
         self._build_programs()
         if self.lowering_target is not None:
             return
-        self.no_prev_tokens, self.no_input_embeds = self.inputs.zeros()
-        self.compiler.open_cache(self.args.compilation_cache_path, self._program_fingerprint())
+        if self.run_plan.compile_target is None:
+            self.no_prev_tokens, self.no_input_embeds = self.inputs.zeros()
+        # Compile-only devices' executables cannot be kept (nor run).
+        self.compiler.open_cache(None if self.run_plan.compile_target else
+                                 self.args.compilation_cache_path, self._program_fingerprint())
         sizes = self.programs.sample_sizes()
         jobs = self.steps.jobs() + [partial(self._compile_sampler, size) for size in sizes]
         if sizes:  # a runner that samples keeps the request slots' sampling state
@@ -217,10 +226,31 @@ class ModelRunner:
                                 else [])
         self.warm_compile_count = self.compile_monitor.count
 
+    def fit_kv_to_programs(self) -> None:
+        """On a TPU or GPU whose KV cache is sized from its memory: the cache is sized again
+        from the compiled programs' largest temporaries (`memory_analysis`) where they differ
+        from what the plan estimated, and its programs compiled again (run_plan.py:
+        `fit_memory_to_programs`)."""
+        if self.lowering_target is not None:
+            return
+        plan = fit_memory_to_programs(self.run_plan, self.compiler.max_temp_bytes)
+        if plan is None:
+            return
+        logger.info("the compiled programs need %.2f GiB of temporaries (%.2f GiB estimated): "
+                    "KV cache of %d tokens instead of %d", self.compiler.max_temp_bytes / 2**30,
+                    self.run_plan.memory.program_temp / 2**30, plan.memory.max_total_tokens,
+                    self.max_total_tokens)
+        if not self.abstract:
+            self.token_to_kv_pool.release()
+        self._read_memory_plan(plan)
+        self.init_memory_pool()
+        self.init_step_programs()
+        self.precompile()
+
     def _build_programs(self) -> None:
         """The jitted steps and sampler every bucket's executable is lowered from."""
-        self.compiler = Compiler(self.device.platform, self.parallel.mesh, self.lowering_target,
-                                 self.args.show_progress)
+        self.compiler = Compiler(self.platform, self.parallel.mesh, self.lowering_target,
+                                 self.args.show_progress, self.run_plan.compile_target)
         lora_spec = self.lora_pool.batch_spec if self.lora_pool is not None else None
         self.steps = StepExecutables(self.programs, self.jit_step, self, self.inputs,
                                      self.compiler, self.compile_monitor, lora_spec)
@@ -465,6 +495,20 @@ def lower_only(args: EngineArgs, model_config: ModelConfig,
     `export_step(bucket)` and `export_sampler(size)` give each program lowered for the target.
     `args.max_total_tokens` must be set (no device memory to size the KV cache from)."""
     return ModelRunner(plan_run(args, model_config, lowering_target=target))
+
+
+def compile_for_target(args: EngineArgs, model_config: ModelConfig, target: targets.Target,
+                       num_chips: int, speculative: SpeculativePlan | None = None
+                       ) -> ModelRunner:
+    """A runner built from the config's shapes alone for `num_chips` chips of `target`, with every
+    program the engine compiles at start-up compiled by the target's own compiler for its
+    compile-only devices (kernels_pallas/targets.py) and the KV cache planned from the chip's
+    memory, as the engine on that hardware would: `compiler.reports` has each program's
+    outcome (a program the compiler refuses is reported there, not raised), `run_plan.memory`
+    the plan; `speculative`: the target of speculative decoding's programs. Raises ValueError
+    for what the engine would refuse before compiling."""
+    return ModelRunner(plan_run(args, model_config, speculative=speculative,
+                                compile_target=target, num_chips=num_chips))
 
 
 @partial(jax.jit, static_argnums=0)

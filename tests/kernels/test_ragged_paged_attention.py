@@ -35,6 +35,10 @@ KERNEL_CASES = [
     Case(seqs=((1, 37), (6, 22)), num_kv_heads=4, group=2, head_dim=64, kv_dtype="float8_e5m2"),
     Case(seqs=((5, 90), (1, 70)), group=8, num_kv_heads=1, head_dim=64, page_size=64,
          sliding_window=20, kv_dtype="float8_e4m3fn"),
+    # head_dim 256 (Gemma): the TPU kernel reads each row as two 128-lane chunks.
+    Case(seqs=((1, 37), (6, 22), (1, 1)), group=2, head_dim=256, dtype="bfloat16"),
+    Case(seqs=((5, 40), (1, 70)), group=2, head_dim=256, sliding_window=20, soft_cap=30.0,
+         q_scale=4.0, kv_dtype="float8_e4m3fn"),
 ]
 
 
