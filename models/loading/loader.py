@@ -36,6 +36,8 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     "embedding": ("weight", lambda w: w),
     "weight": ("weight", lambda w: w),   # norms
     "d2t": ("d2t", lambda w: w),         # EAGLE-3's draft -> target vocabulary offsets
+    # DeepSeek-V3's router: the bias its noaux_tc ranking adds to the scores.
+    "e_score_correction_bias": ("e_score_correction_bias", lambda w: w),
     # A quantized linear's scales as Hugging Face's fp8 format publishes them ([out blocks,
     # in blocks]); quantized on load, `quantized_leaf_rules` takes over.
     "weight_scale": ("weight_scale_inv", np.transpose),
@@ -164,14 +166,16 @@ def read_full(source: ParamSource, dtype, index: tuple = ()) -> np.ndarray:
 
 
 def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
-               place: Callable = default_place, ignore: tuple[str, ...] = ()) -> nnx.Module:
+               place: Callable = default_place, ignore: tuple[str, ...] = (),
+               ignore_prefixes: tuple[str, ...] = ()) -> nnx.Module:
     """Builds `model_cls(cfg)` without initialising it, then fills it from the checkpoint.
 
     `place(source, dtype)` turns each `ParamSource` into the parameter's device array, e.g.
     `models.sharding.ShardedPlacer` for tensor parallelism; each parameter keeps the dtype the
     model gave it (`dtype` for weights). The MoE layers' expert maps (`models.layers.moe.ExpertMap`,
     not in the checkpoint) are placed too, as int32, with the start-up placement. Checkpoint
-    tensors named in `ignore` are allowed and not read.
+    tensors named in `ignore`, or whose names start with one of `ignore_prefixes`, are allowed
+    and not read.
 
     Raises ValueError naming any missing, unexpected or mis-shaped tensor.
     """
@@ -181,7 +185,8 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
     with CheckpointReader(model_dir) as ckpt:
         shapes = {p: tuple(v.shape) for p, v in params.items()}
         maps = frozenset(p for p, v in params.items() if isinstance(v, ExpertMap))
-        sources = checkpoint_sources(ckpt, shapes, cfg, ignore, expert_maps=maps)
+        sources = checkpoint_sources(ckpt, shapes, cfg, ignore, expert_maps=maps,
+                                     ignore_prefixes=ignore_prefixes)
         # Each parameter keeps the dtype the model gave it (e.g. EAGLE-3's integer d2t).
         dtypes = {p: np.int32 if p in maps else v.dtype for p, v in params.items()}
         for path, value in place_all(sources, dtypes, place):
@@ -190,12 +195,13 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
 
 
 def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
-                       ignore: tuple[str, ...] = (), expert_maps: frozenset = frozenset()
+                       ignore: tuple[str, ...] = (), expert_maps: frozenset = frozenset(),
+                       ignore_prefixes: tuple[str, ...] = ()
                        ) -> list[tuple[tuple, ParamSource]]:
     """The `ParamSource` of every parameter (path -> shape as the model holds it) in an open
     checkpoint; the parameters in `expert_maps` get the start-up placement. Raises ValueError
-    naming the tensors the checkpoint lacks or has in excess (tensors named in `ignore` are
-    allowed and not read)."""
+    naming the tensors the checkpoint lacks or has in excess (tensors named in `ignore` or
+    starting with one of `ignore_prefixes` are allowed and not read)."""
     model_dir = ckpt.model_dir
     available = set(ckpt.names)
     layout = ExpertLayout.detect(cfg, available) if getattr(cfg, "is_moe", False) else None
@@ -226,7 +232,7 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
                          f"needs, e.g. {missing[:5]}")
     used.update(_zero_points(ckpt, cfg, available - used))
     extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
-                   and n not in ignore
+                   and n not in ignore and not n.startswith(ignore_prefixes)
                    and not kv_scales.is_kv_scale_tensor(n)  # read only with an fp8 cache
                    and not (n == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False)))
     if extra:

@@ -17,13 +17,14 @@ import numpy as np
 
 # our expert leaf -> (per-expert name by architecture, fused tensor, which half of it: 0 gate,
 # 1 up, None whole)
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 EXPERT_TENSORS: dict[str, tuple[dict[str, str], str, int | None]] = {
-    "gate_proj": ({"Qwen3MoeForCausalLM": "gate_proj", "MixtralForCausalLM": "w1"},
-                  "gate_up_proj", 0),
-    "up_proj": ({"Qwen3MoeForCausalLM": "up_proj", "MixtralForCausalLM": "w3"},
-                "gate_up_proj", 1),
-    "down_proj": ({"Qwen3MoeForCausalLM": "down_proj", "MixtralForCausalLM": "w2"},
-                  "down_proj", None),
+    "gate_proj": ({"Qwen3MoeForCausalLM": "gate_proj", "MixtralForCausalLM": "w1",
+                   **dict.fromkeys(_DEEPSEEK, "gate_proj")}, "gate_up_proj", 0),
+    "up_proj": ({"Qwen3MoeForCausalLM": "up_proj", "MixtralForCausalLM": "w3",
+                 **dict.fromkeys(_DEEPSEEK, "up_proj")}, "gate_up_proj", 1),
+    "down_proj": ({"Qwen3MoeForCausalLM": "down_proj", "MixtralForCausalLM": "w2",
+                   **dict.fromkeys(_DEEPSEEK, "down_proj")}, "down_proj", None),
 }
 # The MoE block's name in per-expert checkpoints, where it is not ours (`mlp`).
 PER_EXPERT_BLOCK = {"MixtralForCausalLM": "block_sparse_moe"}
