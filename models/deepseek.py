@@ -77,7 +77,7 @@ class DeepseekDecoderLayer(DecoderLayer):
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2 (and V2-Lite: `q_lora_rank` None). `__call__` takes the latent KV cache
-    [L, pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]."""
+    [L, pages, page_size, kv_lora_rank + qk_rope_head_dim]."""
 
     decoder_layer = DeepseekDecoderLayer
 

@@ -38,10 +38,10 @@ class AttentionConfig:
     sliding_window: int | None = None
     soft_cap: float | None = None
     kv_dtype: str | None = None  # the KV cache's dtype name, where a backend must check it
-    # Latent KV (multi-head latent attention, models/layers/mla.py): the cache holds one row of
-    # head_dim per token, shared by every query head (num_kv_heads 1), whose first value_dim
-    # entries are the values; a layer's output is [T, num_heads, value_dim]. None: per-head K
-    # and V of head_dim, interleaved.
+    # Latent KV (multi-head latent attention, models/layers/mla.py): the cache [pages,
+    # page_size, head_dim] holds one row per token, shared by every query head (num_kv_heads
+    # 1), whose first value_dim entries are the values; a layer's output is [T, num_heads,
+    # value_dim]. None: per-head K and V of head_dim, interleaved.
     value_dim: int | None = None
 
     def __post_init__(self):
@@ -73,7 +73,7 @@ class AttentionConfig:
 
     @property
     def kv_rows(self) -> int:
-        """Rows of head_dim a token's KV takes in one layer (axis 2 of a layer's cache)."""
+        """Rows of head_dim a token's KV takes in one layer (axis 2 of a per-head cache)."""
         return 1 if self.latent else 2 * self.num_kv_heads
 
 

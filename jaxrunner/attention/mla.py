@@ -13,11 +13,13 @@ Options a latent cache cannot serve are refused when the step is traced, by name
 KV bound (block diffusion) and a draft tree's mask in the Pallas kernels.
 """
 
+import jax.numpy as jnp
+
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.attention.native import NativeAttentionBackend
 from jaxrunner.attention.pallas import RaggedMetadata, kernel_for_platform, ragged_metadata
 from jaxrunner.batch.forward_batch import ForwardBatch
-from kernels_pallas.mla import check_supported, mla_paged_attention
+from kernels_pallas.mla import cache_width, check_supported, mla_paged_attention
 
 class MlaPallasBackend(AttentionBackend):
     """The latent kernels of kernels_pallas/mla, by platform."""
@@ -27,8 +29,10 @@ class MlaPallasBackend(AttentionBackend):
         super().__init__(config)
         self.kernel = kernel_for_platform(platform, interpret)
         self.interpret = interpret
+        # The cache's rows as the kernel reads them (the TPU kernel's padded to 128 lanes).
+        self.width = cache_width(config.head_dim, self.kernel)
         if not interpret:  # the interpreter runs any width; a compiled kernel is checked now
-            check_supported(self.kernel, latent_dim=config.head_dim, value_dim=config.value_dim,
+            check_supported(self.kernel, latent_dim=self.width, value_dim=config.value_dim,
                             page_size=config.page_size, dtype=config.kv_dtype)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> RaggedMetadata:
@@ -41,6 +45,8 @@ class MlaPallasBackend(AttentionBackend):
             if value is not None:
                 raise NotImplementedError(f"the MLA kernels have no {name} (a latent cache's "
                                           f"attention is causal)")
+        pad = [(0, 0), (0, 0), (0, kv_cache.shape[-1] - q.shape[-1])]  # zeros score nothing
+        q, k = jnp.pad(q, pad), jnp.pad(k, pad)
         offset = self.page_offset(kv_cache, layer)
         kv_cache = self.write_kv(kv_cache, k, v, forward_batch, offset)
         out = mla_paged_attention(
@@ -49,6 +55,17 @@ class MlaPallasBackend(AttentionBackend):
             sm_scale=self.config.sm_scale, value_dim=self.config.value_dim, backend=self.kernel,
             interpret=self.interpret)
         return out.astype(q.dtype), kv_cache
+
+
+def latent_cache_width(cfg, attention_backend: str, platform: str,
+                       interpret: bool = False) -> int | None:
+    """The row width of `cfg`'s latent KV cache (a ModelConfig; None for per-head attention)
+    with `attention_backend` (resolved) on `platform`: the latent's, padded to 128 lanes for the
+    TPU kernel (kernels_pallas/mla/tpu.py)."""
+    if cfg.mla is None:
+        return None
+    kernel = kernel_for_platform(platform, interpret) if attention_backend == "pallas" else None
+    return cache_width(cfg.mla.latent_dim, kernel)
 
 
 def create_latent_backend(name: str, config: AttentionConfig, *, interpret: bool = False,

@@ -54,7 +54,7 @@ class Parallelism:
     kv_cache: NamedSharding
     heads: NamedSharding            # q/k/v [T, H or K, Dh]: heads over `tensor`
     batch: NamedSharding            # DP attention inputs [dp, ...]: one row per DP rank
-    # A latent KV cache (MLA) [L, dp * num_pages, page_size, 1, W]: each DP rank's pages on its
+    # A latent KV cache (MLA) [L, dp * num_pages, page_size, W]: each DP rank's pages on its
     # mesh row, whole on every device of it (one row serves every head).
     latent_kv_cache: NamedSharding
 

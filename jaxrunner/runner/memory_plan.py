@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jaxrunner import defaults
+from jaxrunner.attention.mla import latent_cache_width
 from jaxrunner.config import EngineArgs
 from jaxrunner.mem_cache import kv_cache
 from jaxrunner.mem_cache.kv_cache import model_kv_bytes_per_token
@@ -53,6 +54,7 @@ class MemoryPlan:
     num_pages: int                 # per DP rank, the dummy page included
     max_total_tokens: int          # the pages' tokens, the dummy page's not
     max_pages_per_req: int         # pages of a request at full context
+    latent_width: int | None = None  # a latent KV cache's row width (MLA); None: per-head
 
     @property
     def num_slots(self) -> int:
@@ -90,8 +92,10 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
                                              args.chunked_prefill_size or 0)
     sharded = sharded_model_config(model_config, args.tp_size, args.ep_num_redundant_experts)
     # Per device: each holds its KV heads' slice of every page.
+    latent_width = latent_cache_width(sharded, attention_backend, platform,
+                                      args.pallas_interpret)
     per_token = model_kv_bytes_per_token(sharded, sharded.num_hidden_layers, args.tp_size,
-                                         kv_cache_dtype(args, model_config))
+                                         kv_cache_dtype(args, model_config), latent_width)
     per_token += device.draft_kv_per_token
     max_total_tokens = args.max_total_tokens
     if max_total_tokens is None:
@@ -109,7 +113,7 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
         args, max_running_requests=args.max_running_requests or fit_running,
         max_prefill_tokens=args.max_prefill_tokens or fit_prefill)
     return MemoryPlan(resolved, context_len, per_token, num_pages, max_total_tokens,
-                      max_pages_per_req)
+                      max_pages_per_req, latent_width)
 
 
 def _kv_capacity(args: EngineArgs, platform: str, device: DeviceBytes, per_token: int,

@@ -148,7 +148,8 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool.for_model(cfg, cfg.num_hidden_layers,
                                                         dp * memory.num_pages,
                                                         self.args.page_size, self.kv_cache_dtype,
-                                                        self.kv_sharding, abstract=self.abstract)
+                                                        self.kv_sharding, abstract=self.abstract,
+                                                        latent_width=memory.latent_width)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", memory.num_pages,
                     self.args.page_size, self.token_to_kv_pool.bytes / 2**20)
         state_sharding = self.parallel.batch if dp > 1 else self.parallel.replicated

@@ -17,31 +17,39 @@ from kernels_pallas.mla.reference import mla_paged_attention_reference
 from kernels_pallas.mla.tpu import mla_paged_attention_tpu
 
 BACKENDS = ("tpu", "gpu", "reference")
+LANES = 128
+
+
+def cache_width(latent_dim: int, kernel: str | None) -> int:
+    """The width of the cache's rows for `kernel` ("tpu", "gpu", or None for the XLA path): the
+    latent's, padded to 128 lanes for the TPU kernel (tpu.py's docstring says why); the pad
+    lanes stay zero and the queries get zeros there too."""
+    return -(-latent_dim // LANES) * LANES if kernel == "tpu" else latent_dim
 
 
 def update_latent_cache(
-    kv_cache,  # [num_pages, page_size, 1, latent_dim]
-    rows,  # [T, 1, latent_dim]
+    kv_cache,  # [num_pages, page_size, latent_dim]
+    rows,  # [T, 1, latent_dim]: the one KV "head" of multi-query attention
     slot_mapping,  # i32[T]: page * page_size + offset; padding tokens point into page 0
 ):
     """kv_cache with token t's latent row written at flat slot slot_mapping[t] (one scatter,
     in place under a donated jit; slots out of range are dropped)."""
-    num_pages, page_size, one, latent_dim = kv_cache.shape
-    if one != 1 or rows.shape != (slot_mapping.shape[0], 1, latent_dim):
-        raise ValueError(f"a latent cache [pages, page_size, 1, {latent_dim}] takes rows "
+    num_pages, page_size, latent_dim = kv_cache.shape
+    if rows.shape != (slot_mapping.shape[0], 1, latent_dim):
+        raise ValueError(f"a latent cache [pages, page_size, {latent_dim}] takes rows "
                          f"[T, 1, {latent_dim}], got {kv_cache.shape} and {rows.shape}")
-    flat = kv_cache.reshape(num_pages * page_size, 1, latent_dim)
-    flat = flat.at[slot_mapping].set(to_cache_dtype(rows, kv_cache.dtype), mode="drop")
+    flat = kv_cache.reshape(num_pages * page_size, latent_dim)
+    flat = flat.at[slot_mapping].set(to_cache_dtype(rows[:, 0], kv_cache.dtype), mode="drop")
     return flat.reshape(kv_cache.shape)
 
 
 def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, value_dim):
     """Checks shapes and dtypes at trace time; raises ValueError if wrong."""
-    if q.ndim != 3 or kv_cache.ndim != 4 or kv_cache.shape[2] != 1:
+    if q.ndim != 3 or kv_cache.ndim != 3:
         raise ValueError(f"q must be [T, num_heads, latent_dim] and kv_cache [num_pages, "
-                         f"page_size, 1, latent_dim], got {q.shape} and {kv_cache.shape}")
-    if q.shape[2] != kv_cache.shape[3]:
-        raise ValueError(f"latent_dim differs: q has {q.shape[2]}, kv_cache {kv_cache.shape[3]}")
+                         f"page_size, latent_dim], got {q.shape} and {kv_cache.shape}")
+    if q.shape[2] != kv_cache.shape[2]:
+        raise ValueError(f"latent_dim differs: q has {q.shape[2]}, kv_cache {kv_cache.shape[2]}")
     if not 0 < value_dim <= q.shape[2]:
         raise ValueError(f"value_dim must be in [1, {q.shape[2]}], got {value_dim}")
     if q.dtype != kv_cache.dtype:
@@ -71,7 +79,7 @@ def check_supported(backend: str, *, latent_dim: int, value_dim: int, page_size:
 
 def mla_paged_attention(
     q,  # [T, num_heads, latent_dim]
-    kv_cache,  # [num_pages, page_size, 1, latent_dim]
+    kv_cache,  # [num_pages, page_size, latent_dim]
     kv_lens,  # i32[max_num_seqs]
     page_indices,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens,  # i32[max_num_seqs + 1]
@@ -106,6 +114,7 @@ def mla_paged_attention(
 
 
 __all__ = [
+    "cache_width",
     "check_supported",
     "mla_paged_attention",
     "mla_paged_attention_gpu",

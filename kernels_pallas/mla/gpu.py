@@ -136,7 +136,7 @@ def mla_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     """Latent paged attention on GPU (Pallas, Triton lowering); see `mla_paged_attention`.
     `block_sizes` overrides `gpu_block_sizes`; `interpret=True` runs the Pallas interpreter."""
     num_tokens, num_heads, width = q.shape
-    num_pages, page_size, _, _ = kv_cache.shape
+    num_pages, page_size, _ = kv_cache.shape
     max_num_seqs, pages_per_seq = page_indices.shape
     rank, rope = value_dim, width - value_dim
     check_supported(latent_dim=width, value_dim=value_dim, page_size=page_size,
@@ -169,9 +169,9 @@ def mla_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
             pl.BlockSpec((None, None, rows, rank), lambda item, hb, split: (item, hb, 0, 0)),
             pl.BlockSpec((None, None, rows, rope),
                          lambda item, hb, split: (item, hb, 0, rank // rope)),
-            pl.BlockSpec((num_pages, page_size, None, rank), lambda item, hb, split: (0, 0, 0, 0)),
-            pl.BlockSpec((num_pages, page_size, None, rope),
-                         lambda item, hb, split: (0, 0, 0, rank // rope)),
+            pl.BlockSpec((num_pages, page_size, rank), lambda item, hb, split: (0, 0, 0)),
+            pl.BlockSpec((num_pages, page_size, rope),
+                         lambda item, hb, split: (0, 0, rank // rope)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, rank),

@@ -23,7 +23,7 @@ def mla_paged_attention_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens,
     value_dim] has q's dtype.
     """
     num_tokens = q.shape[0]
-    _, page_size, _, latent_dim = kv_cache.shape
+    _, page_size, latent_dim = kv_cache.shape
     max_kv_len = page_indices.shape[1] * page_size
     seq_ids, positions, is_real = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
 

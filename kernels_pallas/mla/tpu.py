@@ -9,10 +9,12 @@ the current one with an online softmax; rows of other sequences are masked out.
 
 One KV row serves every head, so a KV block is read once per query block for all H heads:
 scores are one [rows, W] x [W, kv_tokens] matmul and the output one [rows, kv_tokens] x
-[kv_tokens, value_dim] matmul over the rows' first value_dim lanes. The cache is viewed (a free
-reshape) as [num_pages, page_size, W]; a page is one contiguous DMA. A W that is not a multiple
-of 128 lanes (576) is padded by Mosaic's tiling in VMEM and in HBM alike (XLA:TPU's layout of
-the cache), so nothing is copied; value_dim starts at lane 0.
+[kv_tokens, value_dim] matmul over the rows' first value_dim lanes. The cache is
+[num_pages, page_size, W]; a page is one contiguous DMA. W must be a multiple of 128 lanes: a
+576-wide cache (DeepSeek's 512 + 64) gets a layout XLA:TPU picks for it and is copied into the
+tiled one Mosaic reads before every call (checked by compiling for v6e: a cache-sized temporary),
+so the engine pads the rows to 640 (`cache_width`), which costs no memory the tiling would not
+take anyway.
 """
 
 import functools
@@ -38,10 +40,10 @@ def check_supported(*, latent_dim: int, value_dim: int, page_size: int, dtype=No
     """Raises ValueError naming what this kernel cannot run."""
     if page_size % 8:
         raise ValueError(f"the TPU MLA kernel needs page_size a multiple of 8, got {page_size}")
-    if value_dim % 128 or latent_dim % 64:
-        raise ValueError(f"the TPU MLA kernel needs kv_lora_rank (value_dim) a multiple of 128 "
-                         f"lanes and the latent width a multiple of 64, got {value_dim} and "
-                         f"{latent_dim}")
+    if value_dim % 128 or latent_dim % 128:
+        raise ValueError(f"the TPU MLA kernel needs kv_lora_rank (value_dim) and the cache row "
+                         f"a multiple of 128 lanes, got {value_dim} and {latent_dim} (a row "
+                         f"padded to 128 lanes: kernels_pallas.mla.cache_width)")
     if dtype is not None and jnp.dtype(dtype).name not in DTYPES:
         raise ValueError(f"the TPU MLA kernel takes a {' or '.join(DTYPES)} KV cache, got "
                          f"{jnp.dtype(dtype).name}")
@@ -171,7 +173,7 @@ def mla_paged_attention_tpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     `block_sizes` (q_tokens, kv_pages) overrides `tpu_block_sizes`; `interpret=True` runs the
     Pallas TPU interpreter (CPU)."""
     num_tokens, num_heads, width = q.shape
-    num_pages, page_size, _, _ = kv_cache.shape
+    num_pages, page_size, _ = kv_cache.shape
     max_num_seqs, pages_per_seq = page_indices.shape
     if not interpret:  # the interpreter takes any lane width (the tests' small ranks)
         check_supported(latent_dim=width, value_dim=value_dim, page_size=page_size,
@@ -211,5 +213,5 @@ def mla_paged_attention_tpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
             vmem_limit_bytes=max(32 * 1024 * 1024, int(1.5 * vmem_bytes))),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="mla_paged_attention_tpu",
-    )(*prefetch, q_rows, kv_cache.reshape(num_pages, page_size, width))
+    )(*prefetch, q_rows, kv_cache)
     return out.reshape(-1, num_heads, value_dim)[:num_tokens]

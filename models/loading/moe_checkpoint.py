@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from models.quantization.linear import dequantize
+
 # our expert leaf -> (per-expert name by architecture, fused tensor, which half of it: 0 gate,
 # 1 up, None whole)
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -75,6 +77,20 @@ class ExpertLayout:
     def tensors(self, leaf: str, layer: int) -> list[str]:
         """Every checkpoint tensor `leaf` of `layer` is made of."""
         return sorted({self.tensor(leaf, layer, e) for e in range(self.num_experts)})
+
+    def scale_tensor(self, leaf: str, layer: int, expert: int) -> str:
+        """The block scales (`weight_scale_inv`) of a pre-quantized fp8 expert weight."""
+        if self.fused:
+            raise ValueError("block fp8 experts in the fused layout are not supported (per "
+                             "expert only, as DeepSeek and Qwen publish them)")
+        return self.tensor(leaf, layer, expert).removesuffix("weight") + "weight_scale_inv"
+
+    def read_dequantized(self, ckpt, leaf: str, layer: int, expert: int, quant) -> np.ndarray:
+        """A block fp8 expert weight times its block scales (`quant`: the checkpoint's
+        QuantConfig), float32 in our [in, out] layout."""
+        weight = self.read(ckpt, leaf, layer, expert)
+        scale = np.transpose(ckpt.get(self.scale_tensor(leaf, layer, expert)))
+        return dequantize(weight, scale, quant)
 
     def read(self, ckpt, leaf: str, layer: int, expert: int) -> np.ndarray:
         """Expert `expert`'s `leaf` in `layer`, in our [in, out] layout."""

@@ -62,7 +62,7 @@ def make_case(case: LatentCase, seed: int = 0):
         x = rng.standard_normal(shape).astype(np.float32)
         return np.asarray(jnp.asarray(x, case.dtype).astype(jnp.float32), np.float64)
 
-    cache = np.full((num_pages, ps, 1, width), np.nan, np.float32)
+    cache = np.full((num_pages, ps, width), np.nan, np.float32)
     order = rng.permutation(np.arange(1, num_pages))
     used, spare = order[:sum(pages_needed)], order[sum(pages_needed):]
     page_indices = rng.choice(spare, size=(max_num_seqs, pages_per_seq)).astype(np.int32)
@@ -76,7 +76,7 @@ def make_case(case: LatentCase, seed: int = 0):
         rows = rounded((kv_len, width))
         rows64.append(rows)
         for pos in range(kv_len):
-            cache[pages[pos // ps], pos % ps, 0] = rows[pos]
+            cache[pages[pos // ps], pos % ps] = rows[pos]
     q_lens = [q for q, _ in case.seqs] + [0] * case.padded_seqs
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q64 = rounded((int(cu_q_lens[-1]) + case.padded_tokens, case.num_heads, width))
@@ -150,12 +150,12 @@ def test_kernel_matches_reference(case, backend, interpret):
 
 
 def test_update_latent_cache_writes_rows_and_drops_padding():
-    cache = jnp.zeros((4, 8, 1, 24), jnp.float32)
+    cache = jnp.zeros((4, 8, 24), jnp.float32)
     rows = jnp.arange(3 * 24, dtype=jnp.float32).reshape(3, 1, 24)
     slots = jnp.asarray([9, 31, 0], jnp.int32)  # page 1 row 1, page 3 row 7, the dummy page
     out = update_latent_cache(cache, rows, slots)
-    np.testing.assert_array_equal(out[1, 1, 0], rows[0, 0])
-    np.testing.assert_array_equal(out[3, 7, 0], rows[1, 0])
+    np.testing.assert_array_equal(out[1, 1], rows[0, 0])
+    np.testing.assert_array_equal(out[3, 7], rows[1, 0])
     assert float(jnp.abs(out[2]).sum()) == 0.0
     with pytest.raises(ValueError, match="latent cache"):
         update_latent_cache(cache, rows[:, :, :8], slots)
