@@ -7,7 +7,7 @@ import jax
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.attention.cpu import CpuAttentionBackend
-from jaxrunner.attention.mla import MlaPallasBackend, create_latent_backend
+from jaxrunner.attention.mla import create_latent_backend
 from jaxrunner.attention.native import NativeAttentionBackend
 from jaxrunner.attention.pallas import PallasAttentionBackend
 from jaxrunner.attention.sharded import ShardedAttentionBackend, local_config

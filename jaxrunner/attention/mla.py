@@ -21,6 +21,7 @@ from jaxrunner.attention.pallas import RaggedMetadata, kernel_for_platform, ragg
 from jaxrunner.batch.forward_batch import ForwardBatch
 from kernels_pallas.mla import cache_width, check_supported, mla_paged_attention
 
+
 class MlaPallasBackend(AttentionBackend):
     """The latent kernels of kernels_pallas/mla, by platform."""
 

@@ -7,7 +7,6 @@ TPU kernel (`tpu.py`), the Pallas GPU kernel (`gpu.py`, Triton lowering) or the 
 reference (`reference.py`). `update_latent_cache` writes the new tokens' rows.
 """
 
-import jax
 import jax.numpy as jnp
 
 from kernels_pallas.kv_cache import to_cache_dtype

@@ -173,8 +173,8 @@ def mla_paged_attention_tpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     `block_sizes` (q_tokens, kv_pages) overrides `tpu_block_sizes`; `interpret=True` runs the
     Pallas TPU interpreter (CPU)."""
     num_tokens, num_heads, width = q.shape
-    num_pages, page_size, _ = kv_cache.shape
-    max_num_seqs, pages_per_seq = page_indices.shape
+    page_size = kv_cache.shape[1]
+    pages_per_seq = page_indices.shape[1]
     if not interpret:  # the interpreter takes any lane width (the tests' small ranks)
         check_supported(latent_dim=width, value_dim=value_dim, page_size=page_size,
                         dtype=kv_cache.dtype)

@@ -12,6 +12,8 @@ and when lowering.
 """
 
 import dataclasses
+from pathlib import Path
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +21,19 @@ import pytest
 
 from jaxrunner.attention import AttentionConfig
 from jaxrunner.attention.mla import MlaPallasBackend
+from jaxrunner.batch.buckets import Bucket
+from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.config import EngineArgs
+from jaxrunner.runner.model_runner import lower_only
 from kernels_pallas import lowering
 from kernels_pallas.lowering import H200, TPU_V5E, TPU_V6E, TPU_V7X
 from kernels_pallas.mla import cache_width, mla_paged_attention_gpu, mla_paged_attention_tpu
+from models.config import ModelConfig
+from models.testing.random_checkpoint import hf_config
 from tests.lowering.test_kernels import triton  # noqa: F401 (the fixture)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from model_configs import DEEPSEEK_V3  # noqa: E402 (after the path above)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -115,3 +126,30 @@ def test_unsupported_mla_shapes_are_refused_at_start_up_and_when_lowering(backen
     target = {"tpu": TPU_V6E, "gpu": H200}[backend]
     with pytest.raises(ValueError, match=message):
         lowering.export(config.kernel(fn), *config.specs("decode", backend), target=target)
+
+
+@pytest.mark.parametrize("target, config, parallel", [
+    (H200, "tiny-deepseek-v3", dict(tp_size=2)),
+    # DeepSeek-V3's own widths and block fp8 weights at 4 layers, DP attention 2 with EP 2.
+    (TPU_V6E, "deepseek-v3", dict(dp_size=2, ep_size=2)),
+], ids=str)
+def test_deepseek_steps_lower_with_the_mla_kernel(target, config, parallel):
+    """The whole step (MLA, DeepSeekMoE, the latent cache's write and the kernel) lowered
+    through the runner's own construction: one MLA kernel per step, which fits the chip."""
+    cfg = (ModelConfig.from_dict(hf_config(config, "bfloat16")) if config.startswith("tiny")
+           else ModelConfig.from_dict(dict(DEEPSEEK_V3, num_hidden_layers=4)))
+    args = EngineArgs(model_path="unused", dtype="bfloat16", attention_backend="pallas",
+                      max_total_tokens=4096, max_running_requests=8, max_prefill_tokens=64,
+                      compilation_cache_dir=None, show_progress=False, **parallel)
+    runner = lower_only(args, cfg, target)
+    width = cache_width(cfg.mla.latent_dim, "tpu" if target.platform == "tpu" else "gpu")
+    assert runner.token_to_kv_pool.shape[2:] == (16, width)
+    for bucket in (Bucket(ForwardMode.DECODE, 8, 8), Bucket(ForwardMode.EXTEND, 64, 8)):
+        exported = runner.export_step(bucket)
+        if target.platform == "tpu":
+            [kernel] = lowering.mosaic_kernels(exported)
+            assert kernel.name == "mla_paged_attention_tpu"
+            assert lowering.mosaic_problems(kernel, target) == []
+        else:
+            [kernel] = lowering.triton_kernels(exported)
+            assert kernel.name == "mla_paged_attention_gpu"
