@@ -21,7 +21,6 @@ def model_class(cfg: ModelConfig):
 def unused_tensor_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
     """Names of checkpoint tensors the model class does not read (a DeepSeek checkpoint's
     multi-token-prediction layers), as prefixes."""
-    if cfg.architecture in (deepseek.DeepseekV2ForCausalLM.__name__,
-                            deepseek.DeepseekV3ForCausalLM.__name__):
+    if issubclass(model_class(cfg), deepseek.DeepseekV2ForCausalLM):
         return deepseek.unused_tensor_prefixes(cfg)
     return ()
