@@ -13,7 +13,7 @@ from models.quantization.config import check_method as check_quantization
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
 CPU_MATMULS = ("auto", "packed", "xla")
 DLLM_ALGORITHMS = ("LowConfidence",)
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "NEXTN")
 DTYPES = ("auto", "float32", "bfloat16")
 # SGLang's names for the 8-bit caches -> the jnp dtype the cache holds.
 FP8_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -123,8 +123,10 @@ class EngineArgs:
     constrained_json_disable_any_whitespace: bool = False
 
     # Speculative decoding (jaxrunner/speculative/, SGLang's names): None, "EAGLE", "EAGLE3",
-    # "STANDALONE" (any model the engine serves as the draft) or "NGRAM" (continuations of the
-    # request's own tokens, no draft model). Each round drafts speculative_num_steps tokens per
+    # "STANDALONE" (any model the engine serves as the draft), "NGRAM" (continuations of the
+    # request's own tokens, no draft model) or "NEXTN" (a DeepSeek checkpoint's own
+    # multi-token-prediction layer, models/deepseek_mtp.py; the draft path defaults to the
+    # model's). Each round drafts speculative_num_steps tokens per
     # request, verifies them in one TARGET_VERIFY step of the target and keeps the longest
     # accepted prefix plus one token of the target's.
     speculative_algorithm: str | None = None
@@ -392,6 +394,14 @@ class EngineArgs:
         if tokens - 1 > candidates:
             raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the root and the "
                              f"{candidates} candidates that {steps} steps of top-{topk} draft")
+
+    @property
+    def speculative_draft_path(self) -> str | None:
+        """Where the draft's weights are: `speculative_draft_model_path`, or for NEXTN the
+        model's own checkpoint by default (its MTP layers)."""
+        if self.speculative_algorithm == "NEXTN":
+            return self.speculative_draft_model_path or self.model_path
+        return self.speculative_draft_model_path
 
     @property
     def speculative_window(self) -> int:

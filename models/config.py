@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models import deepseek_config
+from models.layers.mla_config import MlaConfig
 from models.quantization.config import QuantConfig, from_hf_config
 
 SUPPORTED_ARCHITECTURES = (
@@ -31,10 +33,12 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     # SDAR (JetAstra): a block-diffusion LM whose network is Qwen3's (jaxrunner/dllm/).
     "SDARForCausalLM",
+    # Multi-head latent attention and DeepSeekMoE (models/deepseek.py).
+    *deepseek_config.ARCHITECTURES,
 )
 # Block-diffusion LMs: served only with `dllm_algorithm`, and need `mask_token_id`.
 DLLM_ARCHITECTURES = ("SDARForCausalLM",)
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", *deepseek_config.ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json `hidden_act` values the dense MLP computes (models/llama.py `activation`);
 # experts compute SiLU only.
@@ -205,6 +209,12 @@ class ModelConfig:
     dllm_block_size: int | None = None
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    # Multi-head latent attention's dimensions (models/layers/mla_config.py): the attention
+    # caches one latent row per token instead of per-head K/V. None: per-head attention.
+    mla: MlaConfig | None = None
+    # A family's own config object, for what only that family reads (DeepSeek's:
+    # models/deepseek_config.py); None for the Llama family.
+    family: Any = None
 
     @property
     def is_dllm(self) -> bool:
@@ -312,8 +322,8 @@ class ModelConfig:
         eos += _as_id_tuple((generation_config or {}).get("eos_token_id"))
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
 
-        return cls(
-            **_moe_fields(arch, d),
+        rope = RopeConfig.from_hf_config(d)
+        common = dict(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -331,7 +341,7 @@ class ModelConfig:
             hidden_act=_hidden_act(arch, d),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM"),
             sliding_window=None if sliding_window is None else int(sliding_window),
-            rope=RopeConfig.from_hf_config(d),
+            rope=rope,
             eos_token_ids=tuple(dict.fromkeys(eos)),  # merge, keep order, drop duplicates
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=str(dtype).removeprefix("torch."),
@@ -339,6 +349,9 @@ class ModelConfig:
             dllm_block_size=None if d.get("block_size") is None else int(d["block_size"]),
             quantization=from_hf_config(d.get("quantization_config")),
         )
+        if arch in deepseek_config.ARCHITECTURES:
+            return cls(**(common | deepseek_config.model_fields(arch, d, rope)))
+        return cls(**common, **_moe_fields(arch, d))
 
 
 def _hidden_act(arch: str, d: dict[str, Any]) -> str:

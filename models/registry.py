@@ -1,10 +1,13 @@
 """Which model class serves which config.json `architectures`."""
 
+from models import deepseek
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM
 
 # Llama, Mistral, Qwen2 and Qwen3 share one implementation; the config switches the differences.
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+MODEL_CLASSES.update(DeepseekV2ForCausalLM=deepseek.DeepseekV2ForCausalLM,
+                     DeepseekV3ForCausalLM=deepseek.DeepseekV3ForCausalLM)
 
 
 def model_class(cfg: ModelConfig):
@@ -13,3 +16,11 @@ def model_class(cfg: ModelConfig):
     except KeyError:
         raise ValueError(f"unknown architecture {cfg.architecture!r}; supported: "
                          f"{sorted(MODEL_CLASSES)}") from None
+
+
+def unused_tensor_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
+    """Names of checkpoint tensors the model class does not read (a DeepSeek checkpoint's
+    multi-token-prediction layers), as prefixes."""
+    if issubclass(model_class(cfg), deepseek.DeepseekV2ForCausalLM):
+        return deepseek.unused_tensor_prefixes(cfg)
+    return ()

@@ -8,8 +8,9 @@ afterwards. The limits the caller left out are chosen for the platform (jaxrunne
 and capped by the KV capacity:
 
 1. `max_running_requests`, `max_prefill_tokens`: the platform's defaults where None;
-2. KV bytes per token per device: the model's KV heads on one device, plus a speculative draft's
-   (its KV lives on the same pages);
+2. KV bytes per token per device: the model's KV heads on one device (with multi-head latent
+   attention the latent row, whole on every device), plus a speculative draft's (its KV lives
+   on the same pages);
 3. the KV budget: `max_total_tokens`, or `mem_fraction_static` of the device's memory less the
    weights, the LoRA slots and the request slots' sampling state (on a CPU also at most
    `defaults.CPU_MAX_KV_BYTES`, and no more than every running request at full context); on a
@@ -27,9 +28,10 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jaxrunner import defaults
+from jaxrunner.attention.mla import latent_cache_width
 from jaxrunner.config import EngineArgs
 from jaxrunner.mem_cache import kv_cache
-from jaxrunner.mem_cache.kv_cache import kv_bytes_per_token
+from jaxrunner.mem_cache.kv_cache import model_kv_bytes_per_token
 from jaxrunner.sampling.penalties import slot_state_bytes
 from models.config import ModelConfig
 from models.sharding import sharded_model_config
@@ -71,6 +73,7 @@ class MemoryPlan:
     program_temp: int = 0          # per device: kept aside for the programs' temporaries
     budget: int | None = None      # per device: what the KV cache could take (None: given)
     device: DeviceBytes | None = None  # what the plan read of the device
+    latent_width: int | None = None  # a latent KV cache's row width (MLA); None: per-head
 
     @property
     def num_slots(self) -> int:
@@ -108,9 +111,10 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
                                              args.chunked_prefill_size or 0)
     sharded = sharded_model_config(model_config, args.tp_size, args.ep_num_redundant_experts)
     # Per device: each holds its KV heads' slice of every page.
-    per_token = kv_bytes_per_token(sharded.num_hidden_layers,
-                                   sharded.num_key_value_heads // args.tp_size, sharded.head_dim,
-                                   kv_cache_dtype(args, model_config))
+    latent_width = latent_cache_width(sharded, attention_backend, platform,
+                                      args.pallas_interpret)
+    per_token = model_kv_bytes_per_token(sharded, sharded.num_hidden_layers, args.tp_size,
+                                         kv_cache_dtype(args, model_config), latent_width)
     per_token += device.draft_kv_per_token
     max_total_tokens = args.max_total_tokens
     program_temp, budget = 0, None
@@ -130,7 +134,7 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
         args, max_running_requests=args.max_running_requests or fit_running,
         max_prefill_tokens=args.max_prefill_tokens or fit_prefill)
     return MemoryPlan(resolved, context_len, per_token, num_pages, max_total_tokens,
-                      max_pages_per_req, program_temp, budget, device)
+                      max_pages_per_req, program_temp, budget, device, latent_width)
 
 
 def estimate_program_temp(sharded: ModelConfig, tp_size: int, max_prefill_tokens: int,

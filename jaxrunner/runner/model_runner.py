@@ -98,6 +98,7 @@ class ModelRunner:
         # on its devices; else whole on every device (the sampler is not sharded).
         self.io_sharding = self.parallel.batch if self.parallel.dp_size > 1 else (
             self.parallel.replicated)
+        self.kv_sharding = self.parallel.kv_cache_sharding(self.sharded_config.mla is not None)
         self.released_tags: set[str] = set()  # memory freed by release_memory_occupation
         self.load_model()
         self.init_lora_pool()
@@ -150,10 +151,11 @@ class ModelRunner:
         self.allocators = [PageAllocator(memory.num_pages) for _ in range(dp)]
         self.req_to_token_pools = [ReqToTokenPool(memory.num_slots, self.max_pages_per_req)
                                    for _ in range(dp)]
-        self.token_to_kv_pool = TokenToKVPool(cfg.num_hidden_layers, dp * memory.num_pages,
-                                              self.args.page_size, cfg.num_key_value_heads,
-                                              cfg.head_dim, self.kv_cache_dtype,
-                                              self.parallel.kv_cache, abstract=self.abstract)
+        self.token_to_kv_pool = TokenToKVPool.for_model(cfg, cfg.num_hidden_layers,
+                                                        dp * memory.num_pages,
+                                                        self.args.page_size, self.kv_cache_dtype,
+                                                        self.kv_sharding, abstract=self.abstract,
+                                                        latent_width=memory.latent_width)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", memory.num_pages,
                     self.args.page_size, self.token_to_kv_pool.bytes / 2**20)
         state_sharding = self.parallel.batch if dp > 1 else self.parallel.replicated
@@ -165,11 +167,9 @@ class ModelRunner:
 
     def init_attention_backend(self) -> None:
         cfg = self.sharded_config
-        attn_config = AttentionConfig(
-            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.head_dim ** -0.5,
-            num_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
-            kv_dtype=self.kv_cache_dtype.name)
+        attn_config = AttentionConfig.for_model(cfg, page_size=self.args.page_size,
+                                                num_layers=cfg.num_hidden_layers,
+                                                kv_dtype=self.kv_cache_dtype.name)
         self.attn_backend = create_attention_backend(self.attention_backend_name, attn_config,
                                                      interpret=self.args.pallas_interpret,
                                                      mesh=self.parallel.mesh,
@@ -278,7 +278,7 @@ class ModelRunner:
                            if DATA_AXIS in self.moe_runner.expert_axes else None)
             step = data_parallel_step(step, self.parallel.mesh, state_specs)
         return jax.jit(step, donate_argnums=(1,),
-                       out_shardings=(self.io_sharding, self.parallel.kv_cache))
+                       out_shardings=(self.io_sharding, self.kv_sharding))
 
     def step_operands(self, abstract: bool = False) -> tuple:
         """What every step takes before its ForwardBatch (the KV cache donated)."""

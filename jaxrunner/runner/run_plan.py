@@ -80,6 +80,7 @@ def plan_run(args: EngineArgs, model_config: ModelConfig, *,
     model_config = dataclasses.replace(model_config, quantization=quant_config.resolve(
         model_config.quantization, args.quantization, model_config.is_moe),
         kv_scales=args.kv_cache_dtype in FP8_KV_CACHE_DTYPES)
+    check_latent_kv(args, model_config)
     multihost.initialize(args)  # multi-host: before anything touches a device
     if compile_target is not None:
         parallel = Parallelism.create(args.tp_size, args.dp_size,
@@ -130,6 +131,27 @@ def fit_memory_to_programs(plan: RunPlan, program_temp: int) -> RunPlan | None:
     refit = plan_memory(plan.args, plan.model_config, plan.platform, device,
                         plan.attention_backend)
     return dataclasses.replace(plan, memory=refit)
+
+
+def check_latent_kv(args: EngineArgs, model_config: ModelConfig) -> None:
+    """Refuses, naming it, what a latent KV cache (multi-head latent attention) cannot serve:
+    features made of per-head K/V or of attention masks the latent kernels lack."""
+    if model_config.mla is None:
+        return
+    refused = {
+        "kv_cache_dtype": (args.kv_cache_dtype in FP8_KV_CACHE_DTYPES,
+                           "an 8-bit cache's per-layer k/v scales are per-head K and V scales"),
+        "enable_lora": (bool(args.enable_lora or args.lora_paths),
+                        "adapters of q/k/v projections have no latent form"),
+        "speculative_eagle_topk": (args.speculative_eagle_topk > 1,
+                                   "a draft tree's mask is not in the latent kernels"),
+        "dllm_algorithm": (args.dllm_algorithm is not None,
+                           "block-causal bounds are not in the latent kernels"),
+    }
+    for name, (asked, why) in refused.items():
+        if asked:
+            raise ValueError(f"{name}={getattr(args, name)!r} is not implemented for "
+                             f"{model_config.architecture}'s multi-head latent attention: {why}")
 
 
 def _use_jax_compilation_cache(args: EngineArgs) -> None:

@@ -36,6 +36,8 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     "embedding": ("weight", lambda w: w),
     "weight": ("weight", lambda w: w),   # norms
     "d2t": ("d2t", lambda w: w),         # EAGLE-3's draft -> target vocabulary offsets
+    # DeepSeek-V3's router: the bias its noaux_tc ranking adds to the scores.
+    "e_score_correction_bias": ("e_score_correction_bias", lambda w: w),
     # A quantized linear's scales as Hugging Face's fp8 format publishes them ([out blocks,
     # in blocks]); quantized on load, `quantized_leaf_rules` takes over.
     "weight_scale": ("weight_scale_inv", np.transpose),
@@ -46,6 +48,8 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
 # Checkpoint tensors that are not parameters of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 STACKED = ("model", "layers")
+# What block fp8 experts are quantized to again on load (QuantConfig.requantized_experts).
+PER_CHANNEL_FP8 = QuantConfig("fp8")
 
 
 def is_stacked(path: tuple) -> bool:
@@ -164,24 +168,29 @@ def read_full(source: ParamSource, dtype, index: tuple = ()) -> np.ndarray:
 
 
 def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
-               place: Callable = default_place, ignore: tuple[str, ...] = ()) -> nnx.Module:
+               place: Callable = default_place, ignore: tuple[str, ...] = (),
+               ignore_prefixes: tuple[str, ...] = (),
+               open_checkpoint: Callable = CheckpointReader) -> nnx.Module:
     """Builds `model_cls(cfg)` without initialising it, then fills it from the checkpoint.
 
     `place(source, dtype)` turns each `ParamSource` into the parameter's device array, e.g.
     `models.sharding.ShardedPlacer` for tensor parallelism; each parameter keeps the dtype the
     model gave it (`dtype` for weights). The MoE layers' expert maps (`models.layers.moe.ExpertMap`,
     not in the checkpoint) are placed too, as int32, with the start-up placement. Checkpoint
-    tensors named in `ignore` are allowed and not read.
+    tensors named in `ignore`, or whose names start with one of `ignore_prefixes`, are allowed
+    and not read. `open_checkpoint(model_dir)` opens the tensors to read (a view of a
+    checkpoint's part, e.g. models/loading/mtp_checkpoint.py).
 
     Raises ValueError naming any missing, unexpected or mis-shaped tensor.
     """
     abstract = nnx.eval_shape(lambda: model_cls(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     params = dict(nnx.to_flat_state(state))
-    with CheckpointReader(model_dir) as ckpt:
+    with open_checkpoint(model_dir) as ckpt:
         shapes = {p: tuple(v.shape) for p, v in params.items()}
         maps = frozenset(p for p, v in params.items() if isinstance(v, ExpertMap))
-        sources = checkpoint_sources(ckpt, shapes, cfg, ignore, expert_maps=maps)
+        sources = checkpoint_sources(ckpt, shapes, cfg, ignore, expert_maps=maps,
+                                     ignore_prefixes=ignore_prefixes)
         # Each parameter keeps the dtype the model gave it (e.g. EAGLE-3's integer d2t).
         dtypes = {p: np.int32 if p in maps else v.dtype for p, v in params.items()}
         for path, value in place_all(sources, dtypes, place):
@@ -190,12 +199,13 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
 
 
 def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
-                       ignore: tuple[str, ...] = (), expert_maps: frozenset = frozenset()
+                       ignore: tuple[str, ...] = (), expert_maps: frozenset = frozenset(),
+                       ignore_prefixes: tuple[str, ...] = ()
                        ) -> list[tuple[tuple, ParamSource]]:
     """The `ParamSource` of every parameter (path -> shape as the model holds it) in an open
     checkpoint; the parameters in `expert_maps` get the start-up placement. Raises ValueError
-    naming the tensors the checkpoint lacks or has in excess (tensors named in `ignore` are
-    allowed and not read)."""
+    naming the tensors the checkpoint lacks or has in excess (tensors named in `ignore` or
+    starting with one of `ignore_prefixes` are allowed and not read)."""
     model_dir = ckpt.model_dir
     available = set(ckpt.names)
     layout = ExpertLayout.detect(cfg, available) if getattr(cfg, "is_moe", False) else None
@@ -226,7 +236,7 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
                          f"needs, e.g. {missing[:5]}")
     used.update(_zero_points(ckpt, cfg, available - used))
     extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
-                   and n not in ignore
+                   and n not in ignore and not n.startswith(ignore_prefixes)
                    and not kv_scales.is_kv_scale_tensor(n)  # read only with an fp8 cache
                    and not (n == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False)))
     if extra:
@@ -297,7 +307,13 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
         leaf = path[-1].removesuffix(SCALE_SUFFIX)
         part = int(path[-1] != leaf)
         E = cfg.num_experts
-        if quantized:
+        requantized = quantized and cfg.quantization.requantized_experts
+        if requantized:  # block fp8 -> per output channel (QuantConfig.requantized_experts)
+            def read(layer, slot):
+                w = layout.read_dequantized(ckpt, leaf, start + layer, slot % E,
+                                            cfg.quantization)
+                return quantize_weight(w, PER_CHANNEL_FP8)[part]
+        elif quantized:
             def read(layer, slot):
                 w = layout.read(ckpt, leaf, start + layer, slot % E)
                 return quantize_weight(w, cfg.quantization)[part]
@@ -309,6 +325,9 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
             return layout.tensor(leaf, start + layer, slot % E)
 
         tensors = [n for layer in range(shape[0]) for n in layout.tensors(leaf, start + layer)]
+        if requantized:
+            tensors += [layout.scale_tensor(leaf, start + layer, e)
+                        for layer in range(shape[0]) for e in range(E)]
         return ParamSource(**common, name=expert_name, num_slots=shape[1],
                            tensors=tuple(tensors), raw=read)
     rules = quantized_leaf_rules(cfg.quantization, shape[-1]) if quantized else LEAF_RULES

@@ -48,21 +48,6 @@ PTX_SHAPES[KernelConfig(128, 16, 4, "bfloat16", tree_words=1)] = ("decode",)
 PTX_SHAPES.update({c: ("decode",) for c in CONFIGS if c.kv_dtype})
 
 
-@pytest.fixture(scope="module")
-def triton(tmp_path_factory):
-    """The `triton` package (it comes with torch on Linux; None where it is missing), its kernel
-    cache in this session's temp dir rather than the user's home."""
-    try:
-        import triton  # noqa: PLC0415
-    except ImportError:
-        yield None
-        return
-    previous = triton.knobs.cache.dir
-    triton.knobs.cache.dir = str(tmp_path_factory.mktemp("triton_cache"))
-    yield triton
-    triton.knobs.cache.dir = previous
-
-
 @pytest.mark.parametrize("i, config", list(enumerate(CONFIGS)), ids=lambda v: str(v))
 def test_tpu_kernel_lowers_and_fits_the_chip(i, config):
     target = TPU_TARGETS[i % len(TPU_TARGETS)]  # each generation sees every kind of config

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from jaxrunner.eplb.expert_distribution import ExpertDistributionRecorder
-from tests.support.parity import prefill_logits, prompts_of_lengths
+from tests.support.parity import assert_prefill_logits_match, prompts_of_lengths
 
 PROMPT_LENS = [1, 7, 16, 33, 64, 100, 5, 170]  # 8 prompts, ragged, crossing page boundaries
 # The 8 prompts in one 512-token prefill, and 8 decode rows (16 add 10 step executables).
@@ -34,17 +34,8 @@ def models(request, checkpoint, engine_kwargs):
 
 def test_prefill_logits_match_hf(models):
     engine, hf = models
-    prompts = prompts_of_lengths(engine.model_config.vocab_size, PROMPT_LENS)
-    ours, last = prefill_logits(engine, prompts)
-    for i, (prompt, got) in enumerate(zip(prompts, ours)):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-        rel = np.abs(got - want).max() / np.abs(want).max()
-        assert rel < 1e-4, f"prompt {i} ({len(prompt)} tokens): relative error {rel:.2e}"
-        # The serving path's last-token logits are the same numbers.
-        np.testing.assert_allclose(last[i], got[-1], rtol=1e-5, atol=1e-5)
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity
-
+    assert_prefill_logits_match(
+        engine, hf, prompts_of_lengths(engine.model_config.vocab_size, PROMPT_LENS))
 
 def test_greedy_tokens_match_hf_generate(models):
     engine, hf = models

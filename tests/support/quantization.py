@@ -97,9 +97,14 @@ def make_fp8_block_checkpoints(src: Path, root: Path) -> tuple[Path, Path]:
             quantized[name] = dequantised[name] = value
     save_file(quantized, str(fp8 / "model.safetensors"))
     save_file(dequantised, str(dequant / "model.safetensors"))
+    write_block_fp8_config(src, fp8, BLOCK)
+    return fp8, dequant
+
+
+def write_block_fp8_config(src: Path, dst: Path, block: int) -> None:
+    """dst/config.json: src's, with Hugging Face's block fp8 `quantization_config`."""
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}
-    (fp8 / "config.json").write_text(json.dumps(config))
-    return fp8, dequant
+                                     "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(config))
