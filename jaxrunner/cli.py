@@ -6,6 +6,7 @@ whether the model runs on that slice, and with how much KV cache (jaxrunner/comp
 
 import argparse
 import asyncio
+from collections.abc import Callable
 import dataclasses
 import inspect
 import logging
@@ -103,12 +104,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def serve(ns: argparse.Namespace) -> None:
-    """Loads the engine (compiling every bucket), then serves until SIGINT/SIGTERM."""
+def serve(ns: argparse.Namespace, make_engine: Callable[..., Engine] = Engine) -> None:
+    """Loads the engine (`make_engine(**engine args)`, compiling every bucket), then serves
+    until SIGINT/SIGTERM, or until the engine loop dies: then the process exits with status 1
+    once the requests in flight have their answers (`_GracefulServer`)."""
 
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine: ServingEngine = Engine(**engine_args_from(ns))
+    engine: ServingEngine = make_engine(**engine_args_from(ns))
     if ns.nnodes > 1:
         # Multi-host: every rank steps the engine in lock-step; rank 0 alone serves HTTP.
         lockstep = LockstepEngine(engine)
@@ -123,18 +126,37 @@ def serve(ns: argparse.Namespace) -> None:
     # Uvicorn's own deadline comes later than ours, so aborted streams can send their last chunk.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10, access_log=False)
-    _GracefulServer(config, app.state.server.engine_loop, ns.shutdown_timeout).run()
+    engine_loop = app.state.server.engine_loop
+    _GracefulServer(config, engine_loop, ns.shutdown_timeout).run()
     engine.shutdown()
+    if engine_loop.error is not None:
+        raise SystemExit(f"the engine loop died; the server stopped: {engine_loop.error}")
 
 
 class _GracefulServer(uvicorn.Server):
     """On SIGINT/SIGTERM uvicorn stops accepting and waits for in-flight responses; after
     `grace` seconds we abort what the engine still runs, so every stream ends with a final
-    chunk (finish_reason "abort") and `[DONE]` rather than a cut connection."""
+    chunk (finish_reason "abort") and `[DONE]` rather than a cut connection.
+
+    When the engine loop dies, the requests it held have their errors and /health answers 503;
+    `DEAD_LINGER_S` later (so a health check sees the 503 before the port closes) the server
+    shuts down the same way, and `serve` exits non-zero."""
+
+    DEAD_LINGER_S = 1.0
 
     def __init__(self, config, engine_loop, grace: float):
         super().__init__(config)
         self.engine_loop, self.grace = engine_loop, grace
+        self._dead_since: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine_loop.error is not None and not self.should_exit:
+            now = asyncio.get_running_loop().time()
+            self._dead_since = self._dead_since or now
+            if now - self._dead_since >= self.DEAD_LINGER_S:
+                logging.getLogger(__name__).error("the engine loop died: shutting down")
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None):
         timer = asyncio.get_running_loop().call_later(self.grace, self.engine_loop.abort_all)

@@ -117,6 +117,12 @@ class EngineArgs:
 
     # Seeds the random seeds of requests that don't bring their own.
     random_seed: int = 0
+    # The server's admission limits (jaxrunner/server/engine_loop.py). `max_queued_requests`
+    # (SGLang's name): requests that may wait for admission; more get 503 with Retry-After.
+    # `request_timeout`: seconds a request may take from arrival to its last token; past them
+    # it is aborted (finish reason "abort", naming the timeout). None: no limit.
+    max_queued_requests: int | None = None
+    request_timeout: float | None = None
     # JSON-schema constrained output (SGLang's names): the whitespace allowed between JSON
     # tokens as a regex (None: llguidance's default, any JSON whitespace), or none at all.
     constrained_json_whitespace_pattern: str | None = None
@@ -239,7 +245,11 @@ class EngineArgs:
                      "eplb_rebalance_num_iterations", "expert_distribution_recorder_buffer_size"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size"):
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be a positive number of seconds or None, "
+                             f"got {self.request_timeout!r}")
+        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
+                     "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

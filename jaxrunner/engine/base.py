@@ -91,4 +91,7 @@ class ServingEngine(Protocol):
 
     def dump_expert_distribution_record(self, path: str | None = None) -> dict: ...
 
+    def rebalance_experts(self) -> dict:
+        """EPLB now: a MoE model's experts placed anew from the routed counts."""
+
     def shutdown(self) -> None: ...

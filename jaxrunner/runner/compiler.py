@@ -45,7 +45,7 @@ _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", 
                          "constrained_json_whitespace_pattern",
                          "constrained_json_disable_any_whitespace", "lora_paths",
                          # The layer ranges are array data of one program per prefill bucket.
-                         "split_prefill_layers")
+                         "split_prefill_layers", "max_queued_requests", "request_timeout")
 
 
 def program_fingerprint(state, kv_spec, args, sharded_config, attention_backend: str,

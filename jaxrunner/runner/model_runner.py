@@ -125,10 +125,14 @@ class ModelRunner:
         else:
             graphdef, state, self.cpu_matmul, self.load_format = load_weights(layout, self.args)
         self.graphdef = graphdef
+        # A MoE model's placement of its experts over their slots (EPLB moves them).
+        self.expert_location = (ExpertLocation(self.sharded_config, self.args.ep_size)
+                                if self.sharded_config.is_moe else None)
         self.weights = ModelWeights(graphdef, state, model_cls=layout.model_cls,
                                     config=self.sharded_config,
                                     checkpoint_config=self.model_config, dtype=self.dtype,
-                                    placer=layout.placer, compile_monitor=self.compile_monitor)
+                                    placer=layout.placer, compile_monitor=self.compile_monitor,
+                                    expert_location=self.expert_location)
         # Per device: what one device's memory holds of the weights.
         self.weights_bytes = self.weights.device_bytes
 
@@ -363,7 +367,6 @@ class ModelRunner:
         """A MoE model's small programs, compiled with the steps: summing the routed counts
         (the expert distribution recorder and EPLB) and moving experts between slots."""
         cfg = self.sharded_config
-        self.expert_location = ExpertLocation(cfg, self.args.ep_size)
         total = jax.ShapeDtypeStruct((len(cfg.moe_layers), cfg.num_physical_experts), jnp.int32,
                                      sharding=self.parallel.replicated)
         counts = jax.ShapeDtypeStruct(per_dp_shape(self.parallel, *total.shape), jnp.int32,

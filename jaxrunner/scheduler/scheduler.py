@@ -42,6 +42,7 @@ from jaxrunner.scheduler.policy import (
     order_waiting,
 )
 from jaxrunner.scheduler.decode import DecodeStrategy, PlainDecode, pages_for
+from jaxrunner.scheduler.faults import fail_requests
 from jaxrunner.scheduler.finish import FinishRules
 from jaxrunner.scheduler.grammar_mask import is_constrained, launch_with_vocab_mask
 from jaxrunner.scheduler.kv_bookkeeping import KvBookkeeping
@@ -165,12 +166,13 @@ class Scheduler:
             # The decode strategy's round, read back at once.
             self.forward_ct += 1
             updated, self._flushed = self._flushed, []
-            return updated + self.decode.run_round(batch, self.worker, self.finish, self.kv,
-                                                   self._retire)
-        if batch is not None and batch.forward_mode.is_split_prefill():
-            launched = self._launch_split_range(batch)  # None until the last range
-        else:
-            launched = self._launch(batch) if batch is not None else None
+            prefixes = [r.num_computed_tokens for r in batch.reqs]
+            try:
+                return updated + self.decode.run_round(batch, self.worker, self.finish,
+                                                       self.kv, self._retire)
+            except Exception as e:  # the round's requests fail; the others go on
+                return updated + fail_requests(self, batch.reqs, prefixes, e)
+        launched = self._launch_contained(batch) if batch is not None else None
         updated, self._flushed = self._flushed, []
         if self.overlap:
             if self.in_flight is not None:
@@ -364,6 +366,20 @@ class Scheduler:
                                               self.allocator, self.page_size, prev_rows,
                                               kv_lens))
 
+    def _launch_contained(self, batch: ScheduleBatch) -> LaunchedBatch | None:
+        """Launches `batch` (a split prefill's next range: None until its last); a launch that
+        raises fails the batch's requests (scheduler/faults.py) and launches nothing."""
+        prefixes = [r.num_computed_tokens for r in batch.reqs]
+        try:
+            if batch.forward_mode.is_split_prefill():
+                return self._launch_split_range(batch)
+            return self._launch(batch)
+        except Exception as e:
+            if self.split_prefill.in_progress:
+                self.split_prefill.retract()  # the split ends; its requests fail below
+            self._flushed += fail_requests(self, batch.reqs, prefixes, e)
+            return None
+
     def _launch(self, batch: ScheduleBatch) -> LaunchedBatch:
         if not is_constrained(batch):
             return self.record_launch(batch, self._run_batch(batch))
@@ -420,7 +436,14 @@ class Scheduler:
 
     def process_batch_result(self, launched: LaunchedBatch) -> list[Req]:
         """Reads a launched step's tokens back and advances its requests: new outputs, finished
-        requests (their KV released); returns the requests that got a token."""
+        requests (their KV released); returns the requests that got a token. A read-back that
+        raises fails the step's requests (scheduler/faults.py), which are returned too."""
+        try:
+            return self._read_back(launched)
+        except Exception as e:
+            return fail_requests(self, launched.batch.reqs, launched.prefixes, e)
+
+    def _read_back(self, launched: LaunchedBatch) -> list[Req]:
         result, reqs = launched.result, launched.batch.reqs
         tokens, logprobs = result.copy_to_host()
         top = (result.top_logprobs_to_host()

@@ -23,7 +23,7 @@ from jaxrunner.engine.base import ServingEngine
 from jaxrunner.server import (chat_api, lifecycle_api, native_api, openai_api, reasoning,
                               responses_api, tool_calls)
 from jaxrunner.server.chat_templates import load_chat_template
-from jaxrunner.server.engine_loop import EngineError, EngineLoop
+from jaxrunner.server.engine_loop import EngineError, EngineLoop, QueueFullError
 from jaxrunner.server.metrics import ServerMetrics
 from jaxrunner.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        GenerateRequest, ResponsesRequest)
@@ -50,7 +50,8 @@ def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
                                ("reasoning_parser", reasoning_parser, reasoning.PARSERS)):
         if value is not None and value not in known:
             raise ValueError(f"{name}={value!r} is not one of {', '.join(known)}")
-    engine_loop = EngineLoop(engine)
+    engine_loop = EngineLoop(engine, max_queued_requests=engine.args.max_queued_requests,
+                             request_timeout=engine.args.request_timeout)
     metrics = ServerMetrics(lambda: engine_loop.stats)
     engine_loop.metrics = metrics
     state = ServerState(engine, engine_loop, metrics,
@@ -177,6 +178,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: Request, e: QueueFullError):
+        # Overload: the client may come back (SGLang answers a full queue with 503 too).
+        return JSONResponse(APIError(str(e), 503).body(), status_code=503,
+                            headers={"Retry-After": str(QueueFullError.RETRY_AFTER_S)})
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):

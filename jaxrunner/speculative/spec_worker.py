@@ -52,7 +52,7 @@ from jaxrunner.speculative.spec_info import (
     VerifyInput,
 )
 from jaxrunner.split_prefill.step import SplitPrefillState
-from jaxrunner.worker.model_worker import GenerationBatchResult, ModelWorker
+from jaxrunner.worker.model_worker import GenerationBatchResult, ModelWorker, check_kv_cache
 from models.config import ModelConfig
 from models.eagle import head_config
 
@@ -167,6 +167,12 @@ class SpeculativeWorker:
 
     def redirect_split_writes(self, split: SplitPrefillState, out_cache_loc: np.ndarray) -> None:
         raise ForwardModeNotImplemented(_NO_SPLIT_PREFILL)
+
+    def check_device_state(self) -> None:
+        """The target's KV cache and the draft's (each donated to its steps) survived."""
+        self.target.check_device_state()
+        if self.draft is not None:
+            check_kv_cache(self.draft.token_to_kv_pool, "draft model's")
 
     # ---- prefill: the target, then the draft over the same tokens ----
 

@@ -93,6 +93,10 @@ class WorkerProtocol(Protocol):
     def redirect_split_writes(self, split, out_cache_loc: np.ndarray) -> None:
         """Replaces the KV slots the split's remaining ranges write."""
 
+    def check_device_state(self) -> None:
+        """After a step failed: raises `scheduler.faults.DeviceStateLost` when the failure took
+        the device state (the donated KV cache) with it, so no further step can run."""
+
 
 @runtime_checkable
 class SpeculativeWorkerProtocol(WorkerProtocol, Protocol):

@@ -33,12 +33,14 @@ from jaxrunner.eplb.eplb_manager import EPLBManager
 from jaxrunner.eplb.expert_distribution import ExpertDistributionRecorder
 from jaxrunner.lora.adapter import parse_lora_paths
 from jaxrunner.lora.registry import LoraRegistry
+from jaxrunner.mem_cache.kv_cache import TokenToKVPool
 from jaxrunner.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.runner.compile_guard import CompileMonitor
 from jaxrunner.runner.lm_step import LogitsOutput
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.runner.run_plan import plan_run
 from jaxrunner.sampling.step import SamplerOutput
+from jaxrunner.scheduler.faults import DeviceStateLost
 from jaxrunner.speculative.plan import SpeculativePlan
 from jaxrunner.split_prefill.step import LayerRange, SplitPrefillState
 from models.config import ModelConfig
@@ -224,8 +226,25 @@ class ModelWorker:
         return self._sample(logits_output, split.sampling, split.num_reqs, split.num_tokens,
                             split.slot_entries, vocab_mask_fn)
 
+    def check_device_state(self) -> None:
+        """After a step failed: raises DeviceStateLost when the KV cache, which every step
+        donates, went with it (no further step can run)."""
+        check_kv_cache(self.model_runner.token_to_kv_pool, "model's")
+
     def redirect_split_writes(self, split: SplitPrefillState, out_cache_loc: np.ndarray) -> None:
         """Replaces the KV slots the remaining ranges write (i32[T]): a request aborted mid-split
         writes the dummy page from now on, so its pages can go back at once."""
         split.forward_batch = split.forward_batch.replace(
             out_cache_loc=jax.device_put(out_cache_loc))
+
+
+def check_kv_cache(pool: TokenToKVPool, whose: str) -> None:
+    """Raises DeviceStateLost when `pool`'s cache is an error or a deleted buffer (a failed
+    step it was donated to); a released cache is not lost."""
+    if pool.released:
+        return
+    try:
+        jax.block_until_ready(pool.kv_cache)
+    except Exception as e:
+        raise DeviceStateLost(f"the {whose} KV cache was lost with a failed step "
+                              f"({type(e).__name__}: {e}); no further step can run") from e

@@ -200,12 +200,15 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
 
 def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
                        ignore: tuple[str, ...] = (), expert_maps: frozenset = frozenset(),
-                       ignore_prefixes: tuple[str, ...] = ()
+                       ignore_prefixes: tuple[str, ...] = (),
+                       expert_of: Callable[[tuple, int, int], int] | None = None
                        ) -> list[tuple[tuple, ParamSource]]:
     """The `ParamSource` of every parameter (path -> shape as the model holds it) in an open
-    checkpoint; the parameters in `expert_maps` get the start-up placement. Raises ValueError
-    naming the tensors the checkpoint lacks or has in excess (tensors named in `ignore` or
-    starting with one of `ignore_prefixes` are allowed and not read)."""
+    checkpoint; the parameters in `expert_maps` get the start-up placement. `expert_of(path,
+    layer, slot)` is the logical expert an expert weight's slot holds (default: the start-up
+    placement, slot mod E; a weight update passes EPLB's placement of the moment). Raises
+    ValueError naming the tensors the checkpoint lacks or has in excess (tensors named in
+    `ignore` or starting with one of `ignore_prefixes` are allowed and not read)."""
     model_dir = ckpt.model_dir
     available = set(ckpt.names)
     layout = ExpertLayout.detect(cfg, available) if getattr(cfg, "is_moe", False) else None
@@ -224,7 +227,7 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
         # A quantized linear's kernel and scale, or a quantized expert weight and its scale.
         quantized = (path[:-1] + ("weight_scale",) in shapes
                      or path[:-1] + (path[-1].removesuffix(SCALE_SUFFIX) + SCALE_SUFFIX,) in shapes)
-        source = _source(ckpt, cfg, layout, path, shape, model_dir, quantized)
+        source = _source(ckpt, cfg, layout, path, shape, model_dir, quantized, expert_of)
         names = source.names()
         absent = [n for n in names if n not in available]
         missing += absent
@@ -281,23 +284,9 @@ def layout_shape(path: tuple, shape: tuple, to_checkpoint: bool = False) -> tupl
     return tuple((to_checkpoint_layout if to_checkpoint else to_model_layout)(path, view).shape)
 
 
-def tensor_shapes(shapes: dict[tuple, tuple]) -> dict[str, tuple[tuple, int | None, tuple]]:
-    """Hugging Face tensor name -> (parameter path, decoder layer or None, the tensor's shape in
-    the checkpoint) for every tensor that the parameters of `shapes` (path -> shape as the model
-    holds it) are made of: the inverse of `hf_name`."""
-    index = {}
-    for path, shape in shapes.items():
-        if is_stacked(path):
-            layer_shape = layout_shape(path, shape[1:], to_checkpoint=True)
-            for layer in range(shape[0]):
-                index[hf_name(path, layer)] = (path, layer, layer_shape)
-        else:
-            index[hf_name(path)] = (path, None, layout_shape(path, shape, to_checkpoint=True))
-    return index
-
-
 def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | None,
-            path: tuple, shape: tuple, model_dir, quantized: bool = False) -> ParamSource:
+            path: tuple, shape: tuple, model_dir, quantized: bool = False,
+            expert_of: Callable[[tuple, int, int], int] | None = None) -> ParamSource:
     stacked = is_stacked(path)
     start = cfg.layer_runs[path[2]].start if stacked else 0
     common = dict(path=path, shape=shape, num_layers=shape[0] if stacked else None,
@@ -307,22 +296,25 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
         leaf = path[-1].removesuffix(SCALE_SUFFIX)
         part = int(path[-1] != leaf)
         E = cfg.num_experts
+        if expert_of is None:
+            def expert_of(path, layer, slot):
+                return slot % E
         requantized = quantized and cfg.quantization.requantized_experts
         if requantized:  # block fp8 -> per output channel (QuantConfig.requantized_experts)
             def read(layer, slot):
-                w = layout.read_dequantized(ckpt, leaf, start + layer, slot % E,
-                                            cfg.quantization)
+                w = layout.read_dequantized(ckpt, leaf, start + layer,
+                                            expert_of(path, layer, slot), cfg.quantization)
                 return quantize_weight(w, PER_CHANNEL_FP8)[part]
         elif quantized:
             def read(layer, slot):
-                w = layout.read(ckpt, leaf, start + layer, slot % E)
+                w = layout.read(ckpt, leaf, start + layer, expert_of(path, layer, slot))
                 return quantize_weight(w, cfg.quantization)[part]
         else:
             def read(layer, slot):
-                return layout.read(ckpt, leaf, start + layer, slot % E)
+                return layout.read(ckpt, leaf, start + layer, expert_of(path, layer, slot))
 
         def expert_name(layer, slot):
-            return layout.tensor(leaf, start + layer, slot % E)
+            return layout.tensor(leaf, start + layer, expert_of(path, layer, slot))
 
         tensors = [n for layer in range(shape[0]) for n in layout.tensors(leaf, start + layer)]
         if requantized:

@@ -7,8 +7,7 @@ and every page back; an EPLB rebalance keeps the tokens and compiles nothing."""
 
 import pytest
 
-from tests.parallel.conftest import run_driver
-from tests.parallel.test_expert_parallel import SKEWED, _name
+from tests.support.parallel import SKEWED_PROMPTS, run_driver, run_name
 
 RUNS = [{"tp_size": 1}, {"tp_size": 4, "ep_size": 4},
         {"dp_size": 2, "tp_size": 1, "ep_size": 2},
@@ -18,15 +17,15 @@ RUNS = [{"tp_size": 1}, {"tp_size": 4, "ep_size": 4},
 
 @pytest.fixture(scope="module")
 def runs(checkpoint, parallel_spec):
-    spec = parallel_spec(checkpoint("tiny-deepseek-v3"), RUNS, skewed_prompts=SKEWED)
+    spec = parallel_spec(checkpoint("tiny-deepseek-v3"), RUNS, skewed_prompts=SKEWED_PROMPTS)
     return run_driver(spec, timeout=1800)["results"]
 
 
 def test_tp_ep_and_dp_attention_give_one_devices_tokens(runs):
     base = runs[0]
     for run in runs[1:]:
-        assert run["output_ids"] == base["output_ids"], _name(run)
-        assert run["compiles_after_warmup"] == 0, _name(run)
+        assert run["output_ids"] == base["output_ids"], run_name(run)
+        assert run["compiles_after_warmup"] == 0, run_name(run)
         # One latent row per token and layer, on every device whatever the split.
         assert run["kv_cache_shape"][1:] == base["kv_cache_shape"][1:] == [16, 64 + 16]
 

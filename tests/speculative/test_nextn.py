@@ -16,10 +16,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Deco
                                                                   DeepseekV3RMSNorm)
 
 from jaxrunner import Engine
-from tests.engine.test_engine import CompileCounter
-from tests.speculative.test_speculative import SPEC_ENGINE, STEPS, workload
+from tests.support.engine import CompileCounter
+from tests.support.presets import SPECULATIVE_ENGINE
+from tests.support.speculative import speculative_workload
 
 PRESET = "tiny-deepseek-v3"
+STEPS = 3
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=STEPS)
 SEEDS = 200  # sampled requests per engine for the distribution test
 
@@ -28,8 +30,8 @@ SEEDS = 200  # sampled requests per engine for the distribution test
 def engines(checkpoint, engine_kwargs):
     """(plain engine, NEXTN engine) of tiny-deepseek-v3."""
     path = str(checkpoint(PRESET))
-    plain = Engine(model_path=path, **dict(engine_kwargs, **SPEC_ENGINE))
-    nextn = Engine(model_path=path, **dict(engine_kwargs, **SPEC_ENGINE, **NEXTN))
+    plain = Engine(model_path=path, **dict(engine_kwargs, **SPECULATIVE_ENGINE))
+    nextn = Engine(model_path=path, **dict(engine_kwargs, **SPECULATIVE_ENGINE, **NEXTN))
     yield plain, nextn
     plain.shutdown()
     nextn.shutdown()
@@ -47,7 +49,7 @@ def _generate(engine, prompts, params):
 
 def test_nextn_keeps_the_targets_greedy_tokens_and_reports_rounds(engines):
     plain, nextn = engines
-    prompts, params = workload(plain.model_config.vocab_size)
+    prompts, params = speculative_workload(plain.model_config.vocab_size)
     want = [o["output_ids"] for o in _generate(plain, prompts, params)]
     outs = _generate(nextn, prompts, params)
     assert [o["output_ids"] for o in outs] == want

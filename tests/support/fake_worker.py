@@ -132,6 +132,9 @@ class FakeWorker:
     def forward_batch_dllm(self, batch: ModelWorkerBatch, info):
         raise NotImplementedError("the fake model has no DLLM_EXTEND step")
 
+    def check_device_state(self) -> None:
+        """The fake model keeps its KV on the host: nothing to lose."""
+
     def pick_bucket(self, mode, num_tokens, num_reqs):
         return pick_bucket(self.buckets, executable_mode(mode), num_tokens, num_reqs)
 

@@ -46,3 +46,9 @@ def run_drivers(specs: list[dict], timeout: float = 600) -> list[dict]:
             if p.poll() is None:
                 p.kill()
     return [_result(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def run_name(run: dict) -> str:
+    """A driver run's parallel layout, for assertion messages."""
+    return ",".join(f"{k}={v}" for k, v in run.items()
+                    if k in ("dp_size", "tp_size", "ep_size", "ep_num_redundant_experts"))

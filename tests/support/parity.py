@@ -2,6 +2,7 @@
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
@@ -66,3 +67,17 @@ def assert_prefill_logits_match(engine, hf, prompts) -> None:
         assert rel < 1e-4, f"prompt {i} ({len(prompt)} tokens): relative error {rel:.2e}"
         np.testing.assert_allclose(last[i], got[-1], rtol=1e-5, atol=1e-5)
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity
+
+
+def hf_greedy_tokens(path, prompts, n: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, `n` tokens, each step a whole-sequence
+    pass in float32 (no KV cache)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outs.append(ids[len(prompt):])
+    return outs

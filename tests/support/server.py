@@ -38,11 +38,13 @@ class ServerProcess:
     `log_path`; `wait_ready()` until /health answers, `stop()` with SIGTERM."""
 
     def __init__(self, model_path, engine_kwargs: dict, log_path, extra: list[str] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, launcher: tuple[str, ...] = ("jaxrunner.serve",)):
+        """`launcher`: the module run with `python -m` and its first arguments (a test seam's
+        launcher: tests/support/fault_server.py)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "jaxrunner.serve", "--model-path", str(model_path),
+        cmd = [sys.executable, "-m", *launcher, "--model-path", str(model_path),
                "--port", str(self.port), "--served-model-name", MODEL_NAME,
                "--log-level", "warning", *engine_flags(engine_kwargs), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from jaxrunner.batch.forward_mode import ForwardMode
-from tests.engine.test_engine import assert_no_kv_cache_copy
+from tests.support.engine import assert_no_kv_cache_copy
 from tests.support.parity import assert_prefill_logits_match
 
 LOGIT_PROMPT_LENS = [1, 7, 16, 33, 64]   # one prefill bucket of 128 tokens

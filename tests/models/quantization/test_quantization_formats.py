@@ -55,6 +55,17 @@ def test_prequantized_fp8_block_checkpoint(fp8_checkpoints, engine_kwargs):
         compiles = engine.compile_monitor.count
         engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4})
         assert engine.compile_monitor.count == compiles
+        # Its published scales cannot be remade from float tensors: updated from disk only.
+        name = "model.layers.0.mlp.down_proj.weight"
+        ok, message = engine.update_weights_from_tensor({name: np.zeros((256, 512))})
+        assert not ok and "not implemented for pre-quantized checkpoints" in message, message
+        with pytest.raises(ValueError, match="get_weights_by_name is not implemented for "
+                                             "pre-quantized checkpoints"):
+            engine.get_weights_by_name(name)
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        assert engine.update_weights_from_disk(str(fp8))[0]
+        assert prefill_logits(engine, prompts)[0][0].tolist() == ours[0].tolist()
     finally:
         engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(dequant, dtype=torch.float32).eval()
