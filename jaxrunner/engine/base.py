@@ -91,4 +91,10 @@ class ServingEngine(Protocol):
 
     def dump_expert_distribution_record(self, path: str | None = None) -> dict: ...
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """No step runs until `continue_generation`; "abort" ends the requests in the engine
+        first, "in_place" keeps them (SGLang's)."""
+
+    def continue_generation(self) -> None: ...
+
     def shutdown(self) -> None: ...
