@@ -67,6 +67,8 @@ class ResponsesRequest(RequestModel):
     }
 
     model: str | None = None
+    # Echoed in the response, as OpenAI does.
+    metadata: dict[str, str] | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None

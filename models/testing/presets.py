@@ -117,3 +117,19 @@ PRESETS["small-moe"] = dict(
     norm_topk_prob=True,
     mlp_only_layers=[],
 )
+
+# Pooling models (jaxrunner/pooling/). An embedding model saved as Qwen3-Embedding is: a causal
+# LM's config, the bare decoder's weights (no `model.` prefix, no LM head) and a
+# sentence-transformers config pooling the last token, normalised. One saved as a bare
+# decoder architecture (LlamaModel, as e5-mistral's MistralModel) pooling the mean, normalised.
+PRESETS["tiny-qwen3-embedding"] = dict(PRESETS["tiny-qwen3"], bare_decoder=True,
+                                       pooling=dict(mode="last", normalize=True))
+PRESETS["tiny-llama-mean-embedding"] = dict(PRESETS["tiny-llama"], architecture="LlamaModel",
+                                            bare_decoder=True,
+                                            pooling=dict(mode="mean", normalize=True))
+# A reward model (one score) and a three-label classifier: *ForSequenceClassification, `score`.
+PRESETS["tiny-qwen2-reward"] = dict(PRESETS["tiny-qwen2"],
+                                    architecture="Qwen2ForSequenceClassification", num_labels=1)
+PRESETS["tiny-llama-classifier"] = dict(PRESETS["tiny-llama"],
+                                        architecture="LlamaForSequenceClassification",
+                                        num_labels=3, id2label=["negative", "neutral", "positive"])
