@@ -225,6 +225,10 @@ class ModelConfig:
     normalize: bool = False
     num_labels: int = 0
     id2label: tuple[str, ...] = ()
+    # Matryoshka embeddings (config.json's `is_matryoshka`, SGLang's rule): whether requests may
+    # truncate them (`dimensions`), and to which sizes (None: any up to hidden_size).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def is_generation(self) -> bool:
@@ -376,6 +380,9 @@ class ModelConfig:
             dllm_block_size=None if d.get("block_size") is None else int(d["block_size"]),
             quantization=from_hf_config(d.get("quantization_config")),
             **_head_fields(head, d),
+            is_matryoshka=bool(d.get("is_matryoshka")),
+            matryoshka_dimensions=(None if d.get("matryoshka_dimensions") is None
+                                   else tuple(int(x) for x in d["matryoshka_dimensions"])),
         )
 
 

@@ -23,10 +23,17 @@ class PoolingRequest:
         if dimensions is not None:
             if cfg.head != "embedding":
                 raise ValueError("dimensions applies to embedding models only")
+            if not cfg.is_matryoshka:
+                raise ValueError("dimensions needs a Matryoshka model (config.json's "
+                                 "is_matryoshka); this one's embeddings are not truncatable")
             if (not isinstance(dimensions, int) or isinstance(dimensions, bool)
                     or not 1 <= dimensions <= cfg.hidden_size):
                 raise ValueError(f"dimensions={dimensions!r} must be an int in [1, "
                                  f"{cfg.hidden_size}] (the model's embedding size)")
+            allowed = cfg.matryoshka_dimensions
+            if allowed is not None and dimensions not in allowed:
+                raise ValueError(f"dimensions={dimensions} is not one of the model's "
+                                 f"matryoshka_dimensions {list(allowed)}")
         return cls(cfg.head, cfg.pooling, cfg.normalize, dimensions)
 
 

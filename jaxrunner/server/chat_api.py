@@ -297,6 +297,8 @@ async def _chat_stream(state, request, job: Job, group, plan: ToolPlan):
                                                                       and d.token_ids):
                     continue
                 delta["reasoning_content"] = reasoning or None
+                if not content and not reasoning and not calls:
+                    delta["content"] = ""  # every chunk carries text, as SGLang's do
                 logprobs = chat_logprobs(state, d.token_ids, d.logprobs,
                                          d.top_logprobs or [[]] * len(d.token_ids),
                                          body.top_logprobs or 0) if body.logprobs else None

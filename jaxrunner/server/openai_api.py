@@ -178,9 +178,6 @@ async def completions(state: ServerState, request: Request, body: CompletionRequ
         prompts = [prompt] if isinstance(prompt[0], int) else prompt
         state.need_tokenizer()
     want = body.logprobs
-    if body.echo and body.stream and want is not None:
-        raise APIError("unsupported request field(s): echo with logprobs and stream (the "
-                       "prompt's logprobs come only when the request finishes)", 400, "echo")
     job = Job(state, body, prompts, body.max_tokens, 16, "prompt",
               return_logprob=want is not None, top_logprobs=want or 0,
               echo_logprobs=body.echo and want is not None, allow_zero_tokens=body.echo,
@@ -223,15 +220,27 @@ async def _completion_stream(state, request, job: Job, group):
     completion_tokens = 0
     cached = [0] * len(job.specs)
     want = job.body.logprobs
+    # With logprobs, a choice's echo waits for its prompt's logprobs (computed by its prefill).
+    echo_pending = [job.body.echo and want is not None] * len(job.specs)
     try:
         async with state.running(request, group):
-            if job.body.echo:
+            if job.body.echo and want is None:
                 for i, spec in enumerate(job.specs):
                     text = decode(state.tokenizer, spec.input_ids)
                     sent_chars[i] += len(text)
                     yield sse(dict(job.header("text_completion"), choices=[
                         {"index": i, "text": text, "logprobs": None, "finish_reason": None}]))
             async for d in group.deltas():
+                if echo_pending[d.index] and d.input_logprobs is not None:
+                    echo_pending[d.index] = False
+                    ids = job.specs[d.index].input_ids
+                    text = decode(state.tokenizer, ids)
+                    sent_chars[d.index] += len(text)
+                    logprobs = completion_logprobs(state, ids, d.input_logprobs,
+                                                   d.input_top_logprobs, want, 0)
+                    yield sse(dict(job.header("text_completion"), choices=[
+                        {"index": d.index, "text": text, "logprobs": logprobs,
+                         "finish_reason": None}]))
                 completion_tokens += len(d.token_ids)
                 text = detoks[d.index].add(d.token_ids)
                 if d.finished_reason is not None:

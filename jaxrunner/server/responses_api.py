@@ -141,8 +141,10 @@ class _Builder:
     @staticmethod
     def usage(job, completion_tokens: int, cached: int, reasoning_tokens: int) -> dict:
         prompt = sum(len(p) for p in job.prompts)
+        # OpenAI's names, and the chat names SGLang's clients read (prompt_tokens, ...).
         return {"input_tokens": prompt, "output_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens,
+                "total_tokens": prompt + completion_tokens, "prompt_tokens": prompt,
+                "completion_tokens": completion_tokens,
                 "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 

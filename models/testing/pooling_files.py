@@ -14,7 +14,10 @@ _ST_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens
 
 
 def pooling_config_entries(spec: dict[str, Any]) -> dict[str, Any]:
-    """config.json entries of a classifier: its labels."""
+    """config.json entries of a pooling model: a Matryoshka embedding's, a classifier's
+    labels."""
+    if spec.get("is_matryoshka"):
+        return {"is_matryoshka": True}
     if "num_labels" not in spec:
         return {}
     labels = spec.get("id2label") or [f"LABEL_{i}" for i in range(spec["num_labels"])]

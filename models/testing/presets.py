@@ -123,7 +123,8 @@ PRESETS["small-moe"] = dict(
 # sentence-transformers config pooling the last token, normalised. One saved as a bare
 # decoder architecture (LlamaModel, as e5-mistral's MistralModel) pooling the mean, normalised.
 PRESETS["tiny-qwen3-embedding"] = dict(PRESETS["tiny-qwen3"], bare_decoder=True,
-                                       pooling=dict(mode="last", normalize=True))
+                                       pooling=dict(mode="last", normalize=True),
+                                       is_matryoshka=True)
 PRESETS["tiny-llama-mean-embedding"] = dict(PRESETS["tiny-llama"], architecture="LlamaModel",
                                             bare_decoder=True,
                                             pooling=dict(mode="mean", normalize=True))

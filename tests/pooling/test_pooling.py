@@ -90,6 +90,9 @@ def test_pooling_models_refuse_generation_and_options(engines):
     embedder = engines("tiny-qwen3-embedding")
     with pytest.raises(ValueError, match=r"dimensions=9999 must be an int in \[1, 256\]"):
         embedder.encode("hi", dimensions=9999)
+    mean = engines("tiny-llama-mean-embedding")  # not a Matryoshka model: SGLang's rule
+    with pytest.raises(ValueError, match="dimensions needs a Matryoshka model"):
+        mean.encode("hi", dimensions=8)
 
 
 def test_embeddings_and_classify_routes(engines):

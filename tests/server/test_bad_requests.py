@@ -53,7 +53,6 @@ BAD = [
     ("/v1/completions", _with(COMPLETION, repetition_penalty=0.0), 400, "repetition_penalty"),
     ("/v1/completions", _with(COMPLETION, logit_bias={"99999": 1}), 400, "logit_bias"),
     ("/v1/completions", _with(COMPLETION, logit_bias={"5": 500}), 400, "logit_bias"),
-    ("/v1/completions", _with(COMPLETION, echo=True, stream=True, logprobs=1), 400, "echo"),
     ("/v1/completions", _with(COMPLETION, regex="(unclosed"), 400, "invalid regex"),
     ("/v1/completions", _with(COMPLETION, json_schema="{not json"), 400, "invalid json_schema"),
     ("/v1/completions", _with(COMPLETION, json_schema={"type": "nonsense"}), 400,
