@@ -23,7 +23,7 @@ from jaxrunner.server import (chat_api, gateway_api, lifecycle_api, native_api, 
                               pooling_api, reasoning, responses_api, tool_calls)
 from jaxrunner.server.chat_protocol import ChatCompletionRequest
 from jaxrunner.server.chat_templates import load_chat_template
-from jaxrunner.server.engine_loop import EngineError, EngineLoop
+from jaxrunner.server.engine_loop import EngineLoop
 from jaxrunner.server.errors import APIError, payload_too_large
 from jaxrunner.server.metrics import ServerMetrics
 from jaxrunner.server.native_protocol import GenerateRequest
@@ -151,13 +151,7 @@ def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
     pooling_api.add_routes(app, state, parse)
     lifecycle_api.add_routes(app, state, parse)
     # The expert distribution recorder (MoE models; SGLang's routes): GET or POST.
-    async def on_engine(fn):
-        try:
-            return await engine_loop.call(fn, when_idle=False)
-        except ValueError as e:
-            raise APIError(str(e)) from None
-        except EngineError as e:
-            raise APIError(str(e), 503) from None
+    on_engine = state.call_now
 
     @app.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
     async def start_expert_distribution_record():

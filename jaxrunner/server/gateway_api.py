@@ -15,8 +15,6 @@ import dataclasses
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxrunner.server.engine_loop import EngineError
-from jaxrunner.server.errors import APIError
 from jaxrunner.server.native_protocol import AbortRequest, PauseGenerationRequest
 from jaxrunner.server.state import ServerState
 
@@ -68,21 +66,13 @@ def add_routes(app, state: ServerState, parse, version: str) -> None:
             state.abort_rid(body.rid)
         return Response(status_code=200)
 
-    async def on_engine(fn):
-        try:
-            return await loop.call(fn, when_idle=False)
-        except ValueError as e:
-            raise APIError(str(e)) from None
-        except EngineError as e:
-            raise APIError(str(e), 503) from None
-
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body = await parse(request, PauseGenerationRequest)
-        await on_engine(lambda engine: engine.pause_generation(body.mode))
+        await state.call_now(lambda engine: engine.pause_generation(body.mode))
         return JSONResponse({"success": True, "message": f"generation paused ({body.mode})"})
 
     @app.post("/continue_generation")
     async def continue_generation():
-        await on_engine(lambda engine: engine.continue_generation())
+        await state.call_now(lambda engine: engine.continue_generation())
         return JSONResponse({"success": True, "message": "generation continued"})

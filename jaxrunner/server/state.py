@@ -146,6 +146,16 @@ class ServerState:
                 self.groups_by_rid[rid] = group
         return group
 
+    async def call_now(self, fn):
+        """Runs `fn(engine)` on the engine thread between two steps and returns its result; a
+        ValueError is a 400 naming it, a failed engine a 503."""
+        try:
+            return await self.engine_loop.call(fn, when_idle=False)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        except EngineError as e:
+            raise APIError(str(e), 503) from None
+
     def abort_rid(self, rid: str) -> bool:
         """Aborts the requests of the group a client's `rid` names; False if none is running."""
         group = self.groups_by_rid.pop(rid, None)

@@ -31,7 +31,8 @@ def write_pooling_files(out: Path, spec: dict[str, Any]) -> None:
     pooling = spec.get("pooling")
     if pooling is None:
         return
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     if pooling["normalize"]:
