@@ -98,9 +98,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-payload-size", type=int, default=MAX_PAYLOAD_SIZE,
                         help="the largest request body in bytes; larger ones get 413")
     parser.add_argument("--tool-call-parser", default=None, choices=tool_calls.PARSERS,
-                        help="how tool calls are read from the output (tool_choice='auto')")
+                        help="how tool calls are read from the output (tool_choice='auto'); "
+                             "default: inferred from the chat template or the architecture")
     parser.add_argument("--reasoning-parser", default=None, choices=reasoning.PARSERS,
                         help="split <think> reasoning into reasoning_content")
+    parser.add_argument("--strict-request-fields", action="store_true",
+                        help="refuse (400) request fields neither OpenAI's nor SGLang's API "
+                             "defines; default: accept them and log a warning once per field")
     add_engine_args(parser)
 
 
@@ -122,7 +126,8 @@ def serve(ns: argparse.Namespace, make_engine: Callable[..., Engine] = Engine) -
         engine = lockstep
     app = build_app(engine, ns.served_model_name, api_key=ns.api_key,
                     chat_template=ns.chat_template, max_payload_size=ns.max_payload_size,
-                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
+                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                    strict_request_fields=ns.strict_request_fields)
     # Uvicorn's own deadline comes later than ours, so aborted streams can send their last chunk.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10, access_log=False)

@@ -115,6 +115,14 @@ class EngineArgs:
     disallow_compile_after_warmup: bool = False
     show_progress: bool = True
 
+    # Serve a causal LM checkpoint as an embedding model (SGLang's name): its last token's hidden
+    # state, normalised. Bare decoders (Qwen2Model, ...), *ForSequenceClassification and
+    # checkpoints with a sentence-transformers pooling config are pooling models without it.
+    is_embedding: bool = False
+    # Let requests ask for hidden states (`return_hidden_states`, SGLang's name): every step
+    # returns the states after the final norm (prefill: each token's; decode: each request's).
+    enable_return_hidden_states: bool = False
+
     # Seeds the random seeds of requests that don't bring their own.
     random_seed: int = 0
     # The server's admission limits (jaxrunner/server/engine_loop.py). `max_queued_requests`

@@ -94,4 +94,10 @@ class ServingEngine(Protocol):
     def rebalance_experts(self) -> dict:
         """EPLB now: a MoE model's experts placed anew from the routed counts."""
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """No step runs until `continue_generation`; "abort" ends the requests in the engine
+        first, "in_place" keeps them (SGLang's)."""
+
+    def continue_generation(self) -> None: ...
+
     def shutdown(self) -> None: ...

@@ -67,7 +67,7 @@ _LOCKSTEP_VERBS = {verb.__name__: verb for verb in (
     Engine.get_weights_by_name, Engine.release_memory_occupation,
     Engine.resume_memory_occupation, Engine.load_lora_adapter, Engine.unload_lora_adapter,
     Engine.start_expert_distribution_record, Engine.stop_expert_distribution_record,
-    Engine.rebalance_experts)}
+    Engine.rebalance_experts, Engine.pause_generation, Engine.continue_generation)}
 
 
 @dataclass
@@ -244,6 +244,13 @@ class LockstepEngine:
 
     def start_expert_distribution_record(self) -> None:
         return self._run_everywhere("start_expert_distribution_record")
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Every rank stops stepping (and, with "abort", aborts the same requests)."""
+        return self._run_everywhere("pause_generation", mode)
+
+    def continue_generation(self) -> None:
+        return self._run_everywhere("continue_generation")
 
     def stop_expert_distribution_record(self) -> None:
         return self._run_everywhere("stop_expert_distribution_record")

@@ -44,6 +44,8 @@ _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", 
                          "expert_distribution_recorder_dir",
                          "constrained_json_whitespace_pattern",
                          "constrained_json_disable_any_whitespace", "lora_paths",
+                         # Read when the model config is resolved (its head is in the key).
+                         "is_embedding",
                          # The layer ranges are array data of one program per prefill bucket.
                          "split_prefill_layers", "max_queued_requests", "request_timeout")
 

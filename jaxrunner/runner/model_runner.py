@@ -25,7 +25,7 @@ import numpy as np
 from jaxrunner.attention import AttentionConfig, create_attention_backend
 from jaxrunner.batch.buckets import Bucket, executable_mode, pick_bucket
 from jaxrunner.batch.forward_batch import ForwardBatch
-from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.batch.schedule_batch import ModelWorkerBatch
 from jaxrunner.config import EngineArgs
 from jaxrunner.eplb.expert_location import ExpertLocation, ExpertMover
@@ -421,6 +421,10 @@ class ModelRunner:
             if batch.input_embeds is not None:
                 host[rank, :len(batch.input_embeds)] = batch.input_embeds
         return jax.device_put(host if self.parallel.dp_size > 1 else host[0], self.io_sharding)
+
+    def capture_mode(self, mode: ForwardMode) -> CaptureHiddenMode:
+        """The capture mode a batch of `mode` runs with: its program's."""
+        return self.programs.runs(mode).capture
 
     def pick_bucket(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
         """The precompiled bucket a batch of `mode` pads to."""

@@ -14,9 +14,11 @@ import jax
 from jaxrunner.attention import resolve_backend_name
 from jaxrunner.config import FP8_KV_CACHE_DTYPES, EngineArgs
 from jaxrunner.dllm.plan import DllmPlan
+from jaxrunner.hidden_states.plan import HiddenStatesPlan
 from jaxrunner.lora.pool import LoraPool, resolve_lora_args
 from jaxrunner.parallel import multihost
 from jaxrunner.parallel.mesh import DATA_AXIS, TENSOR_AXIS, Parallelism
+from jaxrunner.pooling.plan import PoolingPlan
 from jaxrunner.runner.memory_plan import (
     DeviceBytes,
     MemoryPlan,
@@ -53,6 +55,7 @@ class RunPlan:
     attention_backend: str         # resolved ("auto" chosen)
     kv_cache_dtype: object
     dllm: DllmPlan | None          # a block-diffusion LM's plan (also in `plans`)
+    pooling: PoolingPlan | None    # a pooling model's plan (also in `plans`)
     plans: tuple                   # the feature plans contributing step programs
     abstract: bool                 # shapes only: no weights read, no KV memory
     lowering_target: lowering.Target | None = None
@@ -99,6 +102,10 @@ def plan_run(args: EngineArgs, model_config: ModelConfig, *,
     platform = target.platform if target is not None else device.platform
     backend = resolve_backend_name(args.attention_backend, platform)
     args = resolve_lora_args(args, model_config)
+    pooling = PoolingPlan.create(args, model_config)
+    if pooling is not None and pooling.mode == "mean":
+        # Mean pooling needs every token's state: nothing of a prompt is served from the cache.
+        args = dataclasses.replace(args, disable_radix_cache=True)
     # A compile target's programs are those its devices would run (MoE: XLA's ragged_dot).
     layout = model_layout(args, model_config, parallel, platform,
                           platform if compile_target is not None else device.platform)
@@ -110,9 +117,10 @@ def plan_run(args: EngineArgs, model_config: ModelConfig, *,
                                        program_temp_bytes), backend)
     args = memory.args
     dllm = DllmPlan.create(args, model_config)
-    plans = tuple(p for p in (speculative, dllm, SplitPrefillPlan.create(args)) if p is not None)
+    plans = tuple(p for p in (speculative, dllm, SplitPrefillPlan.create(args), pooling,
+                              HiddenStatesPlan.create(args)) if p is not None)
     return RunPlan(args, layout, memory, parallel, device, platform, backend,
-                   kv_cache_dtype(args, model_config), dllm, plans,
+                   kv_cache_dtype(args, model_config), dllm, pooling, plans,
                    abstract or target is not None, lowering_target, compile_target)
 
 

@@ -47,7 +47,7 @@ from jaxrunner.scheduler.finish import FinishRules
 from jaxrunner.scheduler.grammar_mask import is_constrained, launch_with_vocab_mask
 from jaxrunner.scheduler.kv_bookkeeping import KvBookkeeping
 from jaxrunner.scheduler.lora_slots import acquire_lora_slot, release_lora_slot
-from jaxrunner.scheduler.request_output import record_input_logprobs
+from jaxrunner.scheduler.request_output import StepOutputs, record_input_logprobs
 from jaxrunner.split_prefill.schedule import SplitPrefillSchedule
 
 
@@ -127,7 +127,7 @@ class Scheduler:
         return self.kv.memory_stats() | {"num_requests_waiting": len(self.waiting)}
 
     def add_request(self, req: Req) -> None:
-        if req.max_new_tokens == 0 and not req.wants_input_logprobs:
+        if req.max_new_tokens == 0 and not req.needs_prompt_pass:
             req.finished_reason = {"type": "length", "length": 0}
             return
         self.waiting.append(req)
@@ -260,11 +260,8 @@ class Scheduler:
             prompt = self._shared_prompt_key(req)
             if prompt is not None and prompt in prompts:
                 break
-            # Prompt logprobs are computed, not read from the cache, from their first position.
-            limit = req.cacheable(req.seq_len - 1)
-            if req.wants_input_logprobs:
-                limit = min(limit, max(req.logprob_start_len - 1, 0))
-            match = self.tree_cache.match_prefix(req.cache_key(req.fill_ids), max_tokens=limit)
+            match = self.tree_cache.match_prefix(req.cache_key(req.fill_ids),
+                                                 max_tokens=req.cacheable_prefix_limit)
             remaining = req.seq_len - match.num_tokens
             # A prompt longer than what is left of the budget is chunked to fill it (as SGLang
             # does): the step then runs in its bucket without padding tokens.
@@ -450,11 +447,14 @@ class Scheduler:
                if any(r.return_logprob and r.top_logprobs_num for r in reqs) else None)
         inputs = (result.input_logprobs_to_host()
                   if any(r.wants_input_logprobs for r in reqs) else None)
+        step_outputs = StepOutputs.read(result, reqs)
         updated, starts = [], np.cumsum([0] + launched.batch.extend_lens)
         for i, req in enumerate(reqs):
             if inputs is not None and req.wants_input_logprobs and not req.finished:
                 record_input_logprobs(req, inputs, int(starts[i]), launched.prefixes[i],
                                       launched.batch.extend_lens[i])
+            step_outputs.record(req, i, int(starts[i]), launched.prefixes[i],
+                                launched.batch.extend_lens[i])
             if not launched.samples[i]:
                 continue
             req.pending -= 1

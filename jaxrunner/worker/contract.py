@@ -46,6 +46,12 @@ class BatchResultProtocol(Protocol):
     def input_logprobs_to_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The real tokens' prompt logprobs, top ids and top logprobs."""
 
+    def hidden_states_to_host(self) -> np.ndarray:
+        """The captured hidden states of the real tokens (`return_hidden_states`)."""
+
+    def pooled_to_host(self) -> np.ndarray:
+        """A pooling model's step: the real rows' pooled results."""
+
 
 @runtime_checkable
 class WorkerProtocol(Protocol):

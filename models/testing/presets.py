@@ -169,3 +169,19 @@ PRESETS["small-deepseek"] = dict(
     num_hidden_layers=8, num_attention_heads=8, max_position_embeddings=4096,
     q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
     n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
+# Pooling models (jaxrunner/pooling/). An embedding model saved as Qwen3-Embedding is: a causal
+# LM's config, the bare decoder's weights (no `model.` prefix, no LM head) and a
+# sentence-transformers config pooling the last token, normalised. One saved as a bare
+# decoder architecture (LlamaModel, as e5-mistral's MistralModel) pooling the mean, normalised.
+PRESETS["tiny-qwen3-embedding"] = dict(PRESETS["tiny-qwen3"], bare_decoder=True,
+                                       pooling=dict(mode="last", normalize=True),
+                                       is_matryoshka=True)
+PRESETS["tiny-llama-mean-embedding"] = dict(PRESETS["tiny-llama"], architecture="LlamaModel",
+                                            bare_decoder=True,
+                                            pooling=dict(mode="mean", normalize=True))
+# A reward model (one score) and a three-label classifier: *ForSequenceClassification, `score`.
+PRESETS["tiny-qwen2-reward"] = dict(PRESETS["tiny-qwen2"],
+                                    architecture="Qwen2ForSequenceClassification", num_labels=1)
+PRESETS["tiny-llama-classifier"] = dict(PRESETS["tiny-llama"],
+                                        architecture="LlamaForSequenceClassification",
+                                        num_labels=3, id2label=["negative", "neutral", "positive"])

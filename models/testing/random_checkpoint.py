@@ -27,6 +27,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from models.testing import deepseek_checkpoint
+from models.config import POOLING_ARCHITECTURES
+from models.testing.pooling_files import pooling_config_entries, write_pooling_files
 from models.testing.presets import PRESETS
 from models.testing.tokenizer import (
     BOS_ID,
@@ -49,6 +51,9 @@ _MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+# A pooling model's checkpoint has its decoder family's model type.
+_MODEL_TYPES.update({arch: _MODEL_TYPES[family]
+                     for arch, (family, _) in POOLING_ARCHITECTURES.items()})
 # Router weights: logits of std ROUTER_STD, so the top-k rarely sits on a near-tie that float
 # rounding could flip between implementations.
 ROUTER_STD = 4.0
@@ -97,6 +102,7 @@ def make_checkpoint(
     write_json(out / "config.json", _hf_config(spec, dtype))
     write_json(out / "generation_config.json", _generation_config())
     write_tokenizer(out, tokenizer, spec["max_position_embeddings"])
+    write_pooling_files(out, spec)
     np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
     _write_weights(out, spec, seed, np_dtype, shards)
     return out
@@ -145,10 +151,9 @@ def hf_config(preset: str, dtype: str = "float32") -> dict[str, Any]:
 
 
 def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
-    arch = spec["architecture"]
     config: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": _MODEL_TYPES[arch],
+        "architectures": [spec["architecture"]],
+        "model_type": _MODEL_TYPES[spec["architecture"]],
         "vocab_size": spec["vocab_size"],
         "hidden_size": spec["hidden_size"],
         "intermediate_size": spec["intermediate_size"],
@@ -166,7 +171,10 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
         "use_cache": True,
+        **pooling_config_entries(spec),
     }
+    # A pooling checkpoint's decoder is its causal LM family's.
+    arch = POOLING_ARCHITECTURES.get(spec["architecture"], (spec["architecture"],))[0]
     qwen3_like = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM")
     if arch in ("LlamaForCausalLM", *qwen3_like):
         config["attention_bias"] = spec.get("attention_bias", False)
@@ -244,6 +252,7 @@ def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, 
         return deepseek_checkpoint.tensor_shapes(spec)
     d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
     hd, nh, nkv = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"]
+    arch, head = POOLING_ARCHITECTURES.get(arch, (arch, "lm"))
     if fused is None:
         fused = spec.get("expert_layout") == "fused"
     shapes = {"model.embed_tokens.weight": (v, d)}
@@ -282,8 +291,12 @@ def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, 
                 f"{p}.self_attn.k_norm.weight": (hd,),
             })
     shapes["model.norm.weight"] = (d,)
-    if not spec["tie_word_embeddings"]:
+    if head == "classification":
+        shapes["score.weight"] = (spec["num_labels"], d)
+    elif head == "lm" and not spec["tie_word_embeddings"] and not spec.get("pooling"):
         shapes["lm_head.weight"] = (v, d)
+    if spec.get("bare_decoder"):  # saved from the bare decoder: no `model.` prefix
+        shapes = {name.removeprefix("model."): shape for name, shape in shapes.items()}
     return shapes
 
 
@@ -309,7 +322,7 @@ def _init_values(name: str, shape: tuple[int, ...], seed: int,
     if name.endswith("e_score_correction_bias"):
         return CORRECTION_BIAS_STD * x
     fan_in = shape[1]
-    if name == "lm_head.weight" or name.endswith("shared_head.head.weight"):
+    if name in ("lm_head.weight", "score.weight") or name.endswith("shared_head.head.weight"):
         return (LOGIT_STD / np.sqrt(fan_in)) * x
     if name.endswith("gate.weight"):  # a MoE router
         return (ROUTER_STD / np.sqrt(fan_in)) * x

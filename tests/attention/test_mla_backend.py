@@ -12,7 +12,8 @@ import pytest
 from jaxrunner.attention import AttentionConfig, create_attention_backend
 from jaxrunner.batch.forward_batch import ForwardBatch
 from kernels_pallas.mla import cache_width
-from tests.attention.test_native_attention import CASES, dense_attention, make_batch
+from tests.attention.test_native_attention import CASES
+from tests.support.attention import dense_attention, make_batch
 
 RANK, ROPE, HEADS = 48, 16, 4
 NUM_PAGES = 80

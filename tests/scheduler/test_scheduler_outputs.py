@@ -120,7 +120,22 @@ def test_stop_regex_cuts_the_text_before_the_match():
     run_all(scheduler, [req])
     assert req.output_ids == want[:7]
     assert req.stopped_text == "".join(f"<{t}>" for t in want[:5])
-    assert req.finished_reason == {"type": "stop", "matched": f"<{want[5]}><{want[6]}>"}
+    # matched_stop is the pattern, as SGLang reports it (issue 34).
+    assert req.finished_reason == {"type": "stop", "matched": rf"<{want[5]}><\d+>"}
+
+
+def test_no_stop_trim_keeps_the_stop_string_and_the_regex_match():
+    worker = FakeWorker.create()
+    scheduler = Scheduler(worker, decode_text=lambda ids: "".join(f"<{t}>" for t in ids))
+    prompt = random_prompts(1, 9, 9, seed=15)[0]
+    want = reference_tokens(prompt, 12)
+    text = "".join(f"<{t}>" for t in want)
+    by_string = make_req(prompt, 12, stop=[f"<{want[3]}>"], no_stop_trim=True)
+    by_regex = make_req(prompt, 12, stop_regex=[rf"<{want[5]}><\d+>"], no_stop_trim=True)
+    run_all(scheduler, [by_string, by_regex])
+    assert by_string.stopped_text == text[:text.index(f"<{want[3]}>") + len(f"<{want[3]}>")]
+    assert by_string.finished_reason == {"type": "stop", "matched": f"<{want[3]}>"}
+    assert by_regex.stopped_text == "".join(f"<{t}>" for t in want[:7])
 
 
 def test_penalised_requests_rebuild_their_slot_state_after_a_retraction():

@@ -15,10 +15,13 @@ def model_path(checkpoint):
 @pytest.fixture(scope="session")
 def server(model_path, engine_kwargs, tmp_path_factory):
     """One server for the suite (each start compiles or loads every bucket)."""
-    # No whitespace between JSON tokens: a random model would fill its budget with it.
+    # No whitespace between JSON tokens: a random model would fill its budget with it. Strict
+    # request fields: what real clients send must all be known fields (the default, lenient
+    # policy is tested on its own servers: tests/server/test_request_fields.py).
     proc = ServerProcess(model_path, dict(engine_kwargs,
                                           constrained_json_disable_any_whitespace=True),
-                         tmp_path_factory.mktemp("server") / "server.log")
+                         tmp_path_factory.mktemp("server") / "server.log",
+                         extra=["--strict-request-fields"])
     try:
         proc.wait_ready()
         yield proc

@@ -80,6 +80,12 @@ class FakeResult:
     def input_logprobs_to_host(self):
         raise NotImplementedError("the fake model has no log-probabilities")
 
+    def hidden_states_to_host(self):
+        raise NotImplementedError("the fake model has no hidden states")
+
+    def pooled_to_host(self):
+        raise NotImplementedError("the fake model pools nothing")
+
 
 @dataclass
 class FakeWorker:
