@@ -1,18 +1,23 @@
 """The `jaxrunner` command. `jaxrunner serve --model-path DIR [--host --port ...]` starts the
 HTTP server; its engine flags are generated from the `EngineArgs` fields (names with dashes, help
-from the comments above each field), so a new engine option is a CLI flag with no edit here."""
+from the comments above each field), so a new engine option is a CLI flag with no edit here.
+`jaxrunner compile-check --model-path DIR --target v6e-4 [engine flags] [--json OUT]` answers
+whether the model runs on that slice, and with how much KV cache (jaxrunner/compile_check)."""
 
 import argparse
 import asyncio
+from collections.abc import Callable
 import dataclasses
 import inspect
 import logging
 import re
+import sys
 import types
 import typing
 
 import uvicorn
 
+from jaxrunner import compile_check
 from jaxrunner.config import EngineArgs
 from jaxrunner.engine.base import ServingEngine
 from jaxrunner.engine.engine import Engine
@@ -93,18 +98,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-payload-size", type=int, default=MAX_PAYLOAD_SIZE,
                         help="the largest request body in bytes; larger ones get 413")
     parser.add_argument("--tool-call-parser", default=None, choices=tool_calls.PARSERS,
-                        help="how tool calls are read from the output (tool_choice='auto')")
+                        help="how tool calls are read from the output (tool_choice='auto'); "
+                             "default: inferred from the chat template or the architecture")
     parser.add_argument("--reasoning-parser", default=None, choices=reasoning.PARSERS,
                         help="split <think> reasoning into reasoning_content")
+    parser.add_argument("--strict-request-fields", action="store_true",
+                        help="refuse (400) request fields neither OpenAI's nor SGLang's API "
+                             "defines; default: accept them and log a warning once per field")
     add_engine_args(parser)
 
 
-def serve(ns: argparse.Namespace) -> None:
-    """Loads the engine (compiling every bucket), then serves until SIGINT/SIGTERM."""
+def serve(ns: argparse.Namespace, make_engine: Callable[..., Engine] = Engine) -> None:
+    """Loads the engine (`make_engine(**engine args)`, compiling every bucket), then serves
+    until SIGINT/SIGTERM, or until the engine loop dies: then the process exits with status 1
+    once the requests in flight have their answers (`_GracefulServer`)."""
 
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine: ServingEngine = Engine(**engine_args_from(ns))
+    engine: ServingEngine = make_engine(**engine_args_from(ns))
     if ns.nnodes > 1:
         # Multi-host: every rank steps the engine in lock-step; rank 0 alone serves HTTP.
         lockstep = LockstepEngine(engine)
@@ -115,22 +126,42 @@ def serve(ns: argparse.Namespace) -> None:
         engine = lockstep
     app = build_app(engine, ns.served_model_name, api_key=ns.api_key,
                     chat_template=ns.chat_template, max_payload_size=ns.max_payload_size,
-                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
+                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                    strict_request_fields=ns.strict_request_fields)
     # Uvicorn's own deadline comes later than ours, so aborted streams can send their last chunk.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10, access_log=False)
-    _GracefulServer(config, app.state.server.engine_loop, ns.shutdown_timeout).run()
+    engine_loop = app.state.server.engine_loop
+    _GracefulServer(config, engine_loop, ns.shutdown_timeout).run()
     engine.shutdown()
+    if engine_loop.error is not None:
+        raise SystemExit(f"the engine loop died; the server stopped: {engine_loop.error}")
 
 
 class _GracefulServer(uvicorn.Server):
     """On SIGINT/SIGTERM uvicorn stops accepting and waits for in-flight responses; after
     `grace` seconds we abort what the engine still runs, so every stream ends with a final
-    chunk (finish_reason "abort") and `[DONE]` rather than a cut connection."""
+    chunk (finish_reason "abort") and `[DONE]` rather than a cut connection.
+
+    When the engine loop dies, the requests it held have their errors and /health answers 503;
+    `DEAD_LINGER_S` later (so a health check sees the 503 before the port closes) the server
+    shuts down the same way, and `serve` exits non-zero."""
+
+    DEAD_LINGER_S = 1.0
 
     def __init__(self, config, engine_loop, grace: float):
         super().__init__(config)
         self.engine_loop, self.grace = engine_loop, grace
+        self._dead_since: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine_loop.error is not None and not self.should_exit:
+            now = asyncio.get_running_loop().time()
+            self._dead_since = self._dead_since or now
+            if now - self._dead_since >= self.DEAD_LINGER_S:
+                logging.getLogger(__name__).error("the engine loop died: shutting down")
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None):
         timer = asyncio.get_running_loop().call_later(self.grace, self.engine_loop.abort_all)
@@ -143,11 +174,22 @@ class _GracefulServer(uvicorn.Server):
         self._captured_signals = []
 
 
+def add_compile_check_args(parser: argparse.ArgumentParser) -> None:
+    compile_check.add_check_args(parser)
+    add_engine_args(parser)
+    # Left out, the mesh takes every device of the slice.
+    parser.set_defaults(tp_size=None)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="jaxrunner", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="start the HTTP server"))
+    add_compile_check_args(sub.add_parser(
+        "compile-check", help="will a model run on a TPU or GPU slice, and with how much KV?"))
     ns = parser.parse_args(argv)
+    if ns.command == "compile-check":
+        sys.exit(compile_check.run(engine_args_from(ns), ns.target, ns.json_out))
     if ns.command == "serve":
         try:
             EngineArgs(**engine_args_from(ns))

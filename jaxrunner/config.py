@@ -13,7 +13,7 @@ from models.quantization.config import check_method as check_quantization
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "cpu")
 CPU_MATMULS = ("auto", "packed", "xla")
 DLLM_ALGORITHMS = ("LowConfidence",)
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "NEXTN")
 DTYPES = ("auto", "float32", "bfloat16")
 # SGLang's names for the 8-bit caches -> the jnp dtype the cache holds.
 FP8_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -115,16 +115,32 @@ class EngineArgs:
     disallow_compile_after_warmup: bool = False
     show_progress: bool = True
 
+    # Serve a causal LM checkpoint as an embedding model (SGLang's name): its last token's hidden
+    # state, normalised. Bare decoders (Qwen2Model, ...), *ForSequenceClassification and
+    # checkpoints with a sentence-transformers pooling config are pooling models without it.
+    is_embedding: bool = False
+    # Let requests ask for hidden states (`return_hidden_states`, SGLang's name): every step
+    # returns the states after the final norm (prefill: each token's; decode: each request's).
+    enable_return_hidden_states: bool = False
+
     # Seeds the random seeds of requests that don't bring their own.
     random_seed: int = 0
+    # The server's admission limits (jaxrunner/server/engine_loop.py). `max_queued_requests`
+    # (SGLang's name): requests that may wait for admission; more get 503 with Retry-After.
+    # `request_timeout`: seconds a request may take from arrival to its last token; past them
+    # it is aborted (finish reason "abort", naming the timeout). None: no limit.
+    max_queued_requests: int | None = None
+    request_timeout: float | None = None
     # JSON-schema constrained output (SGLang's names): the whitespace allowed between JSON
     # tokens as a regex (None: llguidance's default, any JSON whitespace), or none at all.
     constrained_json_whitespace_pattern: str | None = None
     constrained_json_disable_any_whitespace: bool = False
 
     # Speculative decoding (jaxrunner/speculative/, SGLang's names): None, "EAGLE", "EAGLE3",
-    # "STANDALONE" (any model the engine serves as the draft) or "NGRAM" (continuations of the
-    # request's own tokens, no draft model). Each round drafts speculative_num_steps tokens per
+    # "STANDALONE" (any model the engine serves as the draft), "NGRAM" (continuations of the
+    # request's own tokens, no draft model) or "NEXTN" (a DeepSeek checkpoint's own
+    # multi-token-prediction layer, models/deepseek_mtp.py; the draft path defaults to the
+    # model's). Each round drafts speculative_num_steps tokens per
     # request, verifies them in one TARGET_VERIFY step of the target and keeps the longest
     # accepted prefix plus one token of the target's.
     speculative_algorithm: str | None = None
@@ -237,7 +253,11 @@ class EngineArgs:
                      "eplb_rebalance_num_iterations", "expert_distribution_recorder_buffer_size"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size"):
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be a positive number of seconds or None, "
+                             f"got {self.request_timeout!r}")
+        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
+                     "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -392,6 +412,14 @@ class EngineArgs:
         if tokens - 1 > candidates:
             raise ValueError(f"speculative_num_draft_tokens ({tokens}) exceeds the root and the "
                              f"{candidates} candidates that {steps} steps of top-{topk} draft")
+
+    @property
+    def speculative_draft_path(self) -> str | None:
+        """Where the draft's weights are: `speculative_draft_model_path`, or for NEXTN the
+        model's own checkpoint by default (its MTP layers)."""
+        if self.speculative_algorithm == "NEXTN":
+            return self.speculative_draft_model_path or self.model_path
+        return self.speculative_draft_model_path
 
     @property
     def speculative_window(self) -> int:

@@ -22,52 +22,14 @@ import tempfile
 from pathlib import Path
 
 import jax
-from jax.experimental.pallas import tpu as pltpu
 from jax.extend.lowering import JaxIrContext, upstream_dialects
 from jax.extend.mlir import ir, passmanager
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from jax.sharding import AbstractMesh
+
+from kernels_pallas.targets import H100, H200, TPU_V5E, TPU_V6E, TPU_V7X, Target  # noqa: F401
 
 TPU_CUSTOM_CALL = "tpu_custom_call"
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A device to lower for: jax.export's platform name and what jax.Device would report."""
-
-    platform: str                         # "tpu" or "cuda"
-    device_kind: str                      # as jax.Device.device_kind reports it
-    num_cores: int                        # TensorCores per TPU device; SMs per GPU
-    compute_capability: int | None = None  # CUDA: 90 for sm_90
-    shared_memory_bytes: int | None = None  # CUDA: the most shared memory one block may use
-
-    def __str__(self):
-        return self.device_kind
-
-    def abstract_device(self) -> AbstractDevice:
-        return AbstractDevice(self.device_kind, self.num_cores,
-                              "gpu" if self.platform == "cuda" else self.platform)
-
-    def mesh(self, shape=(1,), axis_names=("x",)) -> AbstractMesh:
-        """An abstract mesh of this device (axes `Auto`, as the engine's mesh)."""
-        return AbstractMesh(tuple(shape), tuple(axis_names),
-                            axis_types=(AxisType.Auto,) * len(shape),
-                            abstract_device=self.abstract_device())
-
-    def tpu_info(self) -> pltpu.TpuInfo:
-        """jax's table of this TPU's VMEM, SMEM, lanes and sublanes."""
-        if self.platform != "tpu":
-            raise ValueError(f"{self} is not a TPU")
-        with jax.sharding.use_abstract_mesh(self.mesh()):
-            return pltpu.get_tpu_info()
-
-
-TPU_V5E = Target("tpu", "TPU v5 lite", 1)
-TPU_V6E = Target("tpu", "TPU v6 lite", 1)
-TPU_V7X = Target("tpu", "TPU7x", 1)
-# Hopper: 227 KiB of shared memory per block (opt-in), sm_90.
-H100 = Target("cuda", "NVIDIA H100 80GB HBM3", 132, 90, 227 * 1024)
-H200 = Target("cuda", "NVIDIA H200", 132, 90, 227 * 1024)
 
 
 def export(fn, *args, target: Target, mesh: AbstractMesh | None = None) -> jax.export.Exported:

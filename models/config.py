@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models import deepseek_config
 from models.layer_types import (
     FULL_ATTENTION,
     LAYER_TYPES,
@@ -34,6 +35,7 @@ from models.layer_types import (
     periodic_runs,
     segments,
 )
+from models.layers.mla_config import MlaConfig
 from models.quantization.config import QuantConfig, from_hf_config
 
 SUPPORTED_ARCHITECTURES = (
@@ -45,13 +47,26 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     # SDAR (JetAstra): a block-diffusion LM whose network is Qwen3's (jaxrunner/dllm/).
     "SDARForCausalLM",
+    # Multi-head latent attention and DeepSeekMoE (models/deepseek.py).
+    *deepseek_config.ARCHITECTURES,
 )
 # Families that normalise their config.json first: architecture -> d -> (the dict in the shared
 # keys' form, ModelConfig fields the family sets itself).
 FAMILY_CONFIGS: dict[str, Any] = {}
+# Checkpoints of pooling models (embeddings, classification / reward scores): the causal LM
+# family whose decoder they hold, and their head. A causal LM checkpoint that ships a
+# sentence-transformers pooling config (modules.json: Qwen3-Embedding, gte-Qwen2) is an
+# embedding model too.
+POOLING_ARCHITECTURES = {
+    f"{family}{suffix}": (f"{family}ForCausalLM", head)
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+    for suffix, head in (("Model", "embedding"), ("ForSequenceClassification", "classification"))
+}
+HEADS = ("lm", "embedding", "classification")
+POOLING_MODES = ("last", "mean")
 # Block-diffusion LMs: served only with `dllm_algorithm`, and need `mask_token_id`.
 DLLM_ARCHITECTURES = ("SDARForCausalLM",)
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", *deepseek_config.ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json `hidden_act` values the dense MLP computes (models/llama.py `activation`);
 # experts compute SiLU only.
@@ -256,6 +271,25 @@ class ModelConfig:
     # Soft caps (Gemma 2): cap * tanh(x / cap) on the attention logits, and on the final logits.
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Multi-head latent attention's dimensions (models/layers/mla_config.py): the attention
+    # caches one latent row per token instead of per-head K/V. None: per-head attention.
+    mla: MlaConfig | None = None
+    # A family's own config object, for what only that family reads (DeepSeek's:
+    # models/deepseek_config.py); None for the Llama family.
+    family: Any = None
+    # What the decoder's last hidden states feed: "lm" (the LM head: a generative model),
+    # "embedding" (pooled into a vector) or "classification" (pooled, then `score`: num_labels
+    # logits, a reward model's score). Pooling: a request's "last" token or the "mean" of its
+    # tokens; `normalize`: L2-normalised (sentence-transformers' Normalize module).
+    head: str = "lm"
+    pooling: str = "last"
+    normalize: bool = False
+    num_labels: int = 0
+    id2label: tuple[str, ...] = ()
+    # Matryoshka embeddings (config.json's `is_matryoshka`, SGLang's rule): whether requests may
+    # truncate them (`dimensions`), and to which sizes (None: any up to hidden_size).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def sm_scale(self) -> float:
@@ -277,6 +311,11 @@ class ModelConfig:
         """The layers that attend over a window, in order."""
         return tuple(i for i, kind in enumerate(self.attention_kinds)
                      if kind.sliding_window is not None)
+
+    @property
+    def is_generation(self) -> bool:
+        """A generative model (SGLang's `is_generation`); else a pooling model."""
+        return self.head == "lm"
 
     @property
     def is_dllm(self) -> bool:
@@ -338,9 +377,21 @@ class ModelConfig:
         generation_path = model_dir / "generation_config.json"
         generation = _read_json(generation_path) if generation_path.is_file() else {}
         try:
-            return cls.from_dict(d, generation_config=generation)
+            cfg = cls.from_dict(d, generation_config=generation)
         except (KeyError, ValueError) as e:
             raise ValueError(f"{config_path}: {e}") from e
+        pooling = _sentence_transformers_pooling(model_dir)
+        if pooling is not None and cfg.head != "classification":
+            cfg = dataclasses.replace(cfg, head="embedding", pooling=pooling[0],
+                                      normalize=pooling[1])
+        return cfg
+
+    def as_embedding(self) -> ModelConfig:
+        """This checkpoint served as an embedding model (the engine's `is_embedding`): the
+        last token's hidden state, normalised, unless its pooling config says otherwise."""
+        if self.head != "lm":
+            return self
+        return dataclasses.replace(self, head="embedding", pooling="last", normalize=True)
 
     @classmethod
     def from_dict(
@@ -350,11 +401,11 @@ class ModelConfig:
         architectures = d.get("architectures") or []
         if not architectures:
             raise ValueError("config has no 'architectures' entry")
-        arch = architectures[0]
+        arch, head = POOLING_ARCHITECTURES.get(architectures[0], (architectures[0], "lm"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(POOLING_ARCHITECTURES))}"
             )
         family_fields = {}
         if arch in FAMILY_CONFIGS:
@@ -383,8 +434,7 @@ class ModelConfig:
         eos += _as_id_tuple((generation_config or {}).get("eos_token_id"))
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
 
-        return cls(**dict(
-            **_moe_fields(arch, d),
+        common = dict(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -411,7 +461,51 @@ class ModelConfig:
             mask_token_id=None if d.get("mask_token_id") is None else int(d["mask_token_id"]),
             dllm_block_size=None if d.get("block_size") is None else int(d["block_size"]),
             quantization=from_hf_config(d.get("quantization_config")),
-        ) | family_fields)
+            **_head_fields(head, d),
+            is_matryoshka=bool(d.get("is_matryoshka")),
+            matryoshka_dimensions=(None if d.get("matryoshka_dimensions") is None
+                                   else tuple(int(x) for x in d["matryoshka_dimensions"])),
+        ) | family_fields
+        if arch in deepseek_config.ARCHITECTURES:
+            return cls(**(common | deepseek_config.model_fields(arch, d, rope)))
+        return cls(**common, **_moe_fields(arch, d))
+
+
+def _head_fields(head: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The pooling fields of a checkpoint with `head` (transformers' defaults: a classifier
+    pools the last token, 2 labels named LABEL_i unless `id2label` names them)."""
+    if head == "lm":
+        return {}
+    if head == "embedding":  # a bare decoder: SGLang's default pooling
+        return dict(head=head, pooling="last", normalize=True)
+    id2label = d.get("id2label") or {}
+    num_labels = int(d.get("num_labels") or len(id2label) or 2)
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}")))
+                   for i in range(num_labels))
+    return dict(head=head, pooling="last", normalize=False, num_labels=num_labels,
+                id2label=labels)
+
+
+def _sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
+    """(pooling mode, normalize) of a checkpoint's sentence-transformers config (modules.json
+    and its Pooling module's config.json), or None without one. Raises ValueError for a
+    pooling mode not implemented."""
+    modules_path = model_dir / "modules.json"
+    if not modules_path.is_file():
+        return None
+    modules = _read_json(modules_path)
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    if "Pooling" not in kinds:
+        return None
+    config = _read_json(model_dir / kinds["Pooling"].get("path", "") / "config.json")
+    modes = [mode for key, mode in (("pooling_mode_lasttoken", "last"),
+                                    ("pooling_mode_mean_tokens", "mean")) if config.get(key)]
+    others = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v
+                    and k not in ("pooling_mode_lasttoken", "pooling_mode_mean_tokens"))
+    if others or len(modes) != 1:
+        raise ValueError(f"{model_dir}: sentence-transformers pooling {others or modes} is not "
+                         f"supported (one of pooling_mode_lasttoken, pooling_mode_mean_tokens)")
+    return modes[0], "Normalize" in kinds
 
 
 def _hidden_act(arch: str, d: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""EAGLE and EAGLE-3 draft heads, from their published checkpoint formats.
+"""EAGLE and EAGLE-3 draft heads, from their published checkpoint formats (and the registry of
+draft heads: DeepSeek's MTP layer, models/deepseek_mtp.py, drafts as one).
 
 Both heads read the target's token embeddings and hidden states and predict the next token one
 position ahead; neither has an embedding of its own (they use the target's, passed in).
@@ -32,8 +33,11 @@ import jax.numpy as jnp
 from jaxrunner.attention import AttentionBackend
 from jaxrunner.batch.forward_batch import ForwardBatch
 from models.config import ModelConfig
+from models.deepseek_mtp import MtpHead, MtpHeadConfig
+from models.layers.moe_parallel import MoeRunner
 from models.layers.rope import step_cos_sin
 from models.llama import MLP, Attention, Linear, RMSNorm
+from models.loading.loader import load_model
 from models.loading.weights import checkpoint_tensor_names
 
 ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -198,4 +202,22 @@ class Eagle3Head(_HeadBase):
         return draft_ids + self.d2t[...][draft_ids]
 
 
-HEAD_CLASSES = {"EAGLE": EagleHead, "EAGLE3": Eagle3Head}
+HEAD_CLASSES = {"EAGLE": EagleHead, "EAGLE3": Eagle3Head, "NEXTN": MtpHead}
+
+
+def head_config(algorithm: str, path: str | Path, target: ModelConfig):
+    """The draft head config of `algorithm` (a key of HEAD_CLASSES) at `path` for `target`:
+    an EAGLE head's own checkpoint, or a DeepSeek checkpoint's MTP layer (NEXTN)."""
+    if algorithm == "NEXTN":
+        return MtpHeadConfig.from_target(path, target)
+    return DraftHeadConfig.from_pretrained(path, algorithm, target)
+
+
+def load_head(algorithm: str, config, path: str | Path, dtype, place, moe_runner: MoeRunner):
+    """The draft head of `algorithm` with its weights, placed by `place`; `config` as
+    `head_config` made it (its `layer` as sharded), `moe_runner` how a MoE layer's experts run
+    (the MTP layer's)."""
+    if algorithm == "NEXTN":
+        return config.load(path, dtype, place, moe_runner)
+    return load_model(HEAD_CLASSES[algorithm], config, path, dtype, place,
+                      ignore=IGNORED_TENSORS)

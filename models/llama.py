@@ -165,11 +165,17 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP. Another family's layer changes the attention and the MoE
+    block (`attention_class`, `moe_class`: models/deepseek.py)."""
+
+    attention_class = Attention
+    moe_class = SparseMoeBlock
+
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, *, moe: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = self.attention_class(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = SparseMoeBlock(cfg, dtype, rngs) if moe else MLP(cfg, dtype, rngs)
+        self.mlp = self.moe_class(cfg, dtype, rngs) if moe else MLP(cfg, dtype, rngs)
 
     def __call__(self, x, cos, sin, kv_cache, layer, fb, backend, meta, valid, moe_runner,
                  lora: LoraLayer = NO_LORA):
@@ -179,40 +185,45 @@ class DecoderLayer(nnx.Module):
                                      backend, meta, lora)
         x = x + h
         h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, SparseMoeBlock):
+        if not isinstance(self.mlp, MLP):  # a MoE block
             h, counts = self.mlp(h, valid, moe_runner)
             return x + h, kv_cache, counts
         return x + self.mlp(h, lora), kv_cache, None
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs,
+                 layer_class: type[DecoderLayer] = DecoderLayer):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
         # One stacked module per run of layers of one kind: layers[r] holds the layers of
         # cfg.layer_runs[r].
-        self.layers = nnx.List([stacked_layers(cfg, run, dtype, rngs)
+        self.layers = nnx.List([stacked_layers(cfg, run, dtype, rngs, layer_class)
                                 for run in cfg.layer_runs])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-def stacked_layers(cfg: ModelConfig, run: LayerRun, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+def stacked_layers(cfg: ModelConfig, run: LayerRun, dtype, rngs: nnx.Rngs,
+                   layer_class: type[DecoderLayer] = DecoderLayer) -> DecoderLayer:
     """The `run.num_layers` decoder layers of a run as one module whose parameters have a
     leading [L] axis (each layer initialised from its own split of `rngs`)."""
     @nnx.split_rngs(splits=run.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-        return DecoderLayer(cfg, dtype, rngs, moe=run.moe)
+        return layer_class(cfg, dtype, rngs, moe=run.moe)
 
     return create(rngs)
 
 
 class LlamaForCausalLM(nnx.Module):
-    """The causal LM: `__call__` runs the decoder over a forward batch, `compute_logits` the head."""
+    """The causal LM: `__call__` runs the decoder over a forward batch, `compute_logits` the head.
+    A family built on it names its own decoder layer (`decoder_layer`)."""
+
+    decoder_layer: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, rngs)
+        self.model = LlamaModel(cfg, dtype, rngs, self.decoder_layer)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 

@@ -42,6 +42,12 @@ PARTITION_RULES: list[tuple[str, P]] = [
     (r"mlp\.down_proj\.kernel$", P(T, None)),
     (r"mlp\.experts\.(gate|up)_proj$", P(None, None, T)),
     (r"mlp\.experts\.down_proj$", P(None, T, None)),
+    # Multi-head latent attention (models/layers/mla.py): the per-head projections split by
+    # heads; the latent's own (q_a_proj, kv_a_proj_with_mqa) are replicated, as is the cache.
+    (r"self_attn\.(q_b|kv_b)_proj\.kernel$", P(None, T)),
+    # DeepSeekMoE's shared experts: a dense MLP's split.
+    (r"mlp\.shared_experts\.(gate|up)_proj\.kernel$", P(None, T)),
+    (r"mlp\.shared_experts\.down_proj\.kernel$", P(T, None)),
     (r"embed_tokens\.embedding$", P(T, None)),
     (r"lm_head\.kernel$", P(None, T)),
 ]

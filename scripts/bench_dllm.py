@@ -1,5 +1,5 @@
 """Block-diffusion decoding (DLLM_EXTEND, LowConfidence) throughput: committed tokens per second
-of the engine against the no-KV-cache reference (tests/dllm/dllm_reference.py, numpy float32, one
+of the engine against the no-KV-cache reference (tests/support/dllm_reference.py, numpy float32, one
 request at a time) and against autoregressive decoding of the same weights served as Qwen3, at
 each batch size, in one run; prints JSON and a table.
 
@@ -30,7 +30,7 @@ from models.testing.random_checkpoint import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.dllm.dllm_reference import Qwen3Reference, generate  # noqa: E402
+from tests.support.dllm_reference import Qwen3Reference, generate  # noqa: E402
 
 
 def parse_args(argv=None):

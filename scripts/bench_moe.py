@@ -75,7 +75,6 @@ from jaxrunner.parallel.mesh import TENSOR_AXIS, make_mesh  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.layers.moe import (  # noqa: E402
     GROUPED_MATMULS,
-    Routing,
     expert_mlp,
     moe_reference,
     replica_tables,

@@ -30,7 +30,7 @@ from models.testing.random_checkpoint import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.models.test_hf_parity import _prefill_logits  # noqa: E402  (the model worker's logits)
+from tests.support.parity import prefill_logits  # noqa: E402  (the model worker's logits)
 
 # name -> (quantization, kv_cache_dtype)
 SETTINGS = {
@@ -117,8 +117,8 @@ def main(argv=None):
         records = [describe(name, engines[name], args) for name in settings]
         reference = None
         for record, name in zip(records, settings):
-            logits, _ = _prefill_logits(engines[name], quality_prompts)
-            engines[name].compile_monitor.allow()  # _prefill_logits forbids again when done
+            logits, _ = prefill_logits(engines[name], quality_prompts)
+            engines[name].compile_monitor.allow()  # prefill_logits forbids again when done
             reference = logits if reference is None else reference
             record["mean_kl"], record["greedy_agreement"] = quality(logits, reference)
             _timed_generate(engines[name], prompts, 2)  # warm the host paths

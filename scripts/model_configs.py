@@ -14,7 +14,43 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
-CONFIGS = {"llama3-8b": LLAMA3_8B}
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64)
+QWEN3_32B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120,
+    "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+QWEN3_30B_A3B = dict(QWEN3_32B, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                     hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[])
+# DeepSeek-V3 (671B) as published: block fp8 weights, MLA with a 512 + 64 latent, 256 routed
+# experts in 8 groups, one MTP layer.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "num_nextn_predict_layers": 1, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                     "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0,
+    "eos_token_id": 1,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}
+CONFIGS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+           "qwen3-32b": QWEN3_32B, "deepseek-v3": DEEPSEEK_V3}
 
 
 def write_config(name: str, directory: str | Path) -> Path:

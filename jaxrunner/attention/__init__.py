@@ -1,5 +1,5 @@
 """Attention backends: `native` (plain XLA), `pallas` (the kernels in `kernels_pallas`) and `cpu`
-(the C++ kernel in `kernels_cpu`)."""
+(the C++ kernel in `kernels_cpu`); for a latent KV cache (MLA), jaxrunner/attention/mla.py."""
 
 import logging
 
@@ -7,6 +7,7 @@ import jax
 
 from jaxrunner.attention.base import AttentionBackend, AttentionConfig
 from jaxrunner.attention.cpu import CpuAttentionBackend
+from jaxrunner.attention.mla import create_latent_backend
 from jaxrunner.attention.native import NativeAttentionBackend
 from jaxrunner.attention.pallas import PallasAttentionBackend
 from jaxrunner.attention.sharded import ShardedAttentionBackend, local_config
@@ -41,6 +42,8 @@ def create_attention_backend(name: str, config: AttentionConfig, *, interpret: b
                                          interpret=interpret, platform=platform)
         return ShardedAttentionBackend(inner, config, mesh)
     name = resolve_backend_name(name, platform)
+    if config.latent:  # multi-head latent attention (jaxrunner/attention/mla.py)
+        return create_latent_backend(name, config, interpret=interpret, platform=platform)
     if name == "native":
         return NativeAttentionBackend(config)
     if name == "pallas":

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxrunner.batch.forward_batch import ForwardBatch
 from kernels_pallas import update_kv_cache
+from kernels_pallas.mla import update_latent_cache
 from kernels_pallas.ragged_paged_attention import FP8_DTYPES
 
 
@@ -39,11 +40,46 @@ class AttentionConfig:
     sliding_window: int | None = None
     soft_cap: float | None = None
     kv_dtype: str | None = None  # the KV cache's dtype name, where a backend must check it
+    # Latent KV (multi-head latent attention, models/layers/mla.py): the cache [pages,
+    # page_size, head_dim] holds one row per token, shared by every query head (num_kv_heads
+    # 1), whose first value_dim entries are the values; a layer's output is [T, num_heads,
+    # value_dim]. None: per-head K and V of head_dim, interleaved.
+    value_dim: int | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+        if self.latent and (self.num_kv_heads != 1 or not 0 < self.value_dim <= self.head_dim):
+            raise ValueError(f"a latent KV cache has one KV row (num_kv_heads 1, got "
+                             f"{self.num_kv_heads}) whose first value_dim entries are the values "
+                             f"(value_dim {self.value_dim}, head_dim {self.head_dim})")
+
+    @classmethod
+    def for_model(cls, cfg, *, page_size: int, num_layers: int,
+                  kv_dtype: str | None = None) -> "AttentionConfig":
+        """The attention of `cfg` (a ModelConfig as sharded): per-head, or with multi-head
+        latent attention (`cfg.mla`) multi-query over the latent rows."""
+        if cfg.mla is not None:
+            return cls(num_heads=cfg.num_attention_heads, num_kv_heads=1,
+                       head_dim=cfg.mla.latent_dim, page_size=page_size,
+                       sm_scale=cfg.mla.softmax_scale, num_layers=num_layers,
+                       kv_dtype=kv_dtype, value_dim=cfg.mla.kv_lora_rank)
+        # A model with windows on some layers only: each layer's window comes with its
+        # attention kind (`for_layers`, models/layers/decoder_stack.py).
+        return cls(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                   head_dim=cfg.head_dim, page_size=page_size, sm_scale=cfg.sm_scale,
+                   num_layers=num_layers, sliding_window=cfg.sliding_window,
+                   soft_cap=cfg.attn_logit_softcap, kv_dtype=kv_dtype)
+
+    @property
+    def latent(self) -> bool:
+        return self.value_dim is not None
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows of head_dim a token's KV takes in one layer (axis 2 of a per-head cache)."""
+        return 1 if self.latent else 2 * self.num_kv_heads
 
 
 class AttentionBackend(abc.ABC):
@@ -96,6 +132,9 @@ class AttentionBackend(abc.ABC):
         return q.astype(jnp.float32 if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype)
 
     def write_kv(self, kv_cache, k, v, forward_batch: ForwardBatch, page_offset):
-        """The new tokens' K/V into `layer`'s pages (padding tokens into its dummy page)."""
+        """The new tokens' K/V into `layer`'s pages (padding tokens into its dummy page); with a
+        latent cache, k holds the rows [T, 1, head_dim] and v is None."""
         slots = forward_batch.out_cache_loc + page_offset * self.config.page_size
+        if self.config.latent:
+            return update_latent_cache(kv_cache, k, slots)
         return update_kv_cache(kv_cache, k, v, slots)

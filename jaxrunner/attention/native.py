@@ -119,10 +119,21 @@ class NativeAttentionBackend(AttentionBackend):
         return out, kv_cache
 
 
+def _keys_and_values(kv, cfg: AttentionConfig):
+    """A chunk's cached rows [NB, C, rows, D] -> keys [NB, C, Hkv, D] and values [NB, C, Hkv,
+    Dv]: per-head K/V interleaved, or a latent row serving as the key and, in its first
+    value_dim entries, the value."""
+    if cfg.latent:
+        return kv, kv[..., :cfg.value_dim]
+    return kv[:, :, 0::2], kv[:, :, 1::2]
+
+
 def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
                     pages_per_chunk: int):
-    """q [T, Hq, D] over the cached K/V of each token's request -> [T, Hq, D]."""
+    """q [T, Hq, D] over the cached K/V of each token's request -> [T, Hq, Dv] (Dv: D, or a
+    latent cache's value_dim)."""
     T, num_heads, head_dim = q.shape
+    value_dim = cfg.value_dim or head_dim
     num_blocks, block = meta.block_rows.shape
     num_kv_heads = cfg.num_kv_heads
     group = num_heads // num_kv_heads
@@ -137,7 +148,7 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(meta.block_pages, c * pages_per_chunk, pages_per_chunk, 1)
         kv = jnp.take(pages_as_rows, pages.reshape(-1), axis=0, mode="clip")
-        kv = kv.reshape(num_blocks, chunk, 2 * num_kv_heads, head_dim).astype(jnp.float32)
+        kv = kv.reshape(num_blocks, chunk, cfg.kv_rows, head_dim).astype(jnp.float32)
         kv_pos = c * chunk + jnp.arange(chunk)                            # [C]
         in_request = kv_pos[None, :] < meta.block_kv_len[:, None]         # [NB, C]
         if cfg.sliding_window is not None:
@@ -145,8 +156,8 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
             # freed (the dummy page), so their V is kept out like a slot past the request's end.
             in_request &= kv_pos[None, :] > meta.block_pos[:, :1] - cfg.sliding_window
         # Slots past a request's length may hold anything, NaN included: keep them out of p @ v.
-        k = kv[:, :, 0::2]
-        v = jnp.where(in_request[..., None, None], kv[:, :, 1::2], 0.0)   # [NB, C, Hkv, D]
+        k, v = _keys_and_values(kv, cfg)
+        v = jnp.where(in_request[..., None, None], v, 0.0)                # [NB, C, Hkv, Dv]
         # Decode blocks hold one row: there XLA runs einsum as many tiny batched dots, while a
         # multiply-reduce is one fused loop (decode at batch 64: 1.6x faster on a CPU).
         if block == 1:
@@ -182,8 +193,8 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
 
     stats = (num_blocks, block, num_kv_heads, group)
     init = (jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros(stats + (head_dim,), jnp.float32))
+            jnp.zeros(stats + (value_dim,), jnp.float32))
     _, l, acc = lax.fori_loop(0, meta.num_chunks, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]                          # [NB, Bq, Hkv, G, D]
-    out = out[meta.token_block, meta.token_row]                           # [T, Hkv, G, D]
-    return out.reshape(T, num_heads, head_dim).astype(q.dtype)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]                          # [NB, Bq, Hkv, G, Dv]
+    out = out[meta.token_block, meta.token_row]                           # [T, Hkv, G, Dv]
+    return out.reshape(T, num_heads, value_dim).astype(q.dtype)

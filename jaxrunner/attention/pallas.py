@@ -36,18 +36,23 @@ def ragged_metadata(fb: ForwardBatch) -> RaggedMetadata:
     return RaggedMetadata(cu_q_lens=cu_q_lens.astype(jnp.int32), num_seqs=num_seqs)
 
 
+def kernel_for_platform(platform: str | None, interpret: bool) -> str:
+    """"tpu" or "gpu": the kernel for `platform` (default: this machine's), or the TPU kernel
+    interpreted (`interpret`) where there is none."""
+    platform = platform or jax.devices()[0].platform
+    if platform in _KERNEL_BY_PLATFORM:
+        return _KERNEL_BY_PLATFORM[platform]
+    if interpret:
+        return "tpu"
+    raise ValueError(f"the pallas attention backend has no kernel for {platform!r}; use "
+                     f"attention_backend='native', or pallas_interpret=True for tests")
+
+
 class PallasAttentionBackend(AttentionBackend):
     def __init__(self, config: AttentionConfig, *, interpret: bool = False,
                  platform: str | None = None):
         super().__init__(config)
-        platform = platform or jax.devices()[0].platform
-        if platform in _KERNEL_BY_PLATFORM:
-            self.kernel = _KERNEL_BY_PLATFORM[platform]
-        elif interpret:
-            self.kernel = "tpu"
-        else:
-            raise ValueError(f"the pallas attention backend has no kernel for {platform!r}; use "
-                             f"attention_backend='native', or pallas_interpret=True for tests")
+        self.kernel = kernel_for_platform(platform, interpret)
         self.interpret = interpret
         # At start-up, before anything compiles: a shape the kernel cannot take is an error now.
         check_supported(self.kernel, head_dim=config.head_dim, page_size=config.page_size,

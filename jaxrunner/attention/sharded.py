@@ -4,7 +4,9 @@ Each shard sees H / tp query heads and K / tp KV heads (K already repeated up to
 loader when the model has fewer KV heads than shards), and its slice of axis 2 of the KV cache
 `[num_pages, page_size, 2 * K, Dh]`. K and V of one head are adjacent on that axis, so contiguous
 slices keep heads whole and the inner backend runs unchanged on its local layout. The step's
-metadata and the forward batch are replicated: every shard attends over the same pages.
+metadata and the forward batch are replicated: every shard attends over the same pages. A latent
+KV cache (MLA) has one row per token for every head, so it is not split: each shard holds it
+whole and attends with its query heads.
 """
 
 import dataclasses
@@ -21,7 +23,12 @@ _KV_CACHE = P(None, None, TENSOR_AXIS, None)    # [num_pages, page_size, 2 * K, 
 
 
 def local_config(config: AttentionConfig, tp_size: int) -> AttentionConfig:
-    """The attention config one shard sees."""
+    """The attention config one shard sees (a latent cache's one KV row is whole on each)."""
+    if config.latent:
+        if config.num_heads % tp_size:
+            raise ValueError(f"tp_size ({tp_size}) must divide the query heads "
+                             f"({config.num_heads})")
+        return dataclasses.replace(config, num_heads=config.num_heads // tp_size)
     if config.num_heads % tp_size or config.num_kv_heads % tp_size:
         raise ValueError(f"tp_size ({tp_size}) must divide the query heads ({config.num_heads}) "
                          f"and the (repeated) KV heads ({config.num_kv_heads})")
@@ -51,9 +58,12 @@ class ShardedAttentionBackend(AttentionBackend):
         # shard_map over `tensor` must name that mesh.
         context = jax.sharding.get_abstract_mesh()
         mesh = self.mesh if context.empty else context
+        # A latent cache (MLA) is replicated: every shard writes the same rows and reads them
+        # for its own query heads.
+        kv, cache = (P(), P()) if self.config.latent else (_HEADS, _KV_CACHE)
         # check_vma=False: Pallas kernels do not declare how their outputs vary over the mesh.
         per_shard = jax.shard_map(
             self.inner.forward, mesh=mesh,
-            in_specs=(_HEADS, _HEADS, _HEADS, _KV_CACHE, P(), P(), P()),
-            out_specs=(_HEADS, _KV_CACHE), check_vma=False)
+            in_specs=(_HEADS, kv, kv, cache, P(), P(), P()),
+            out_specs=(_HEADS, cache), check_vma=False)
         return per_shard(q, k, v, kv_cache, layer, forward_batch, metadata)

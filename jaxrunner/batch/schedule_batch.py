@@ -18,8 +18,10 @@ from jaxrunner.sampling.batch import ALWAYS, SamplingBatch, SlotEntry
 from jaxrunner.sampling.params import SamplingParams
 
 # Token ids under a LoRA adapter are keyed in the prefix cache as id + (adapter uid << this):
-# above any vocabulary, so different adapters' keys never compare equal.
+# above any vocabulary, so different adapters' keys never compare equal. A cache namespace
+# (`cache_salt`) adds its 64-bit id << NAMESPACE_KEY_SHIFT, above any adapter uid.
 LORA_KEY_SHIFT = 40
+NAMESPACE_KEY_SHIFT = 80
 
 
 @dataclass(eq=False)
@@ -77,6 +79,19 @@ class Req:
     # base model), and its device slot while the request is admitted (-1 otherwise).
     lora: object = None
     lora_slot: int = -1
+    # The prefix-cache namespace of `cache_salt` (0: none): cached prefixes are shared only
+    # within one.
+    cache_namespace: int = 0
+    # `return_hidden_states`: the states after the final norm, SGLang's layout: [the prompt
+    # tokens' states], then one per generated token the model read (jaxrunner/hidden_states/).
+    return_hidden_states: bool = False
+    hidden_states: list = field(default_factory=list)
+    # A pooling model's request (jaxrunner/pooling/): what it asks for (`PoolingRequest`), and
+    # its result so far (the last chunk's pooled state, or the sum over its chunks for mean
+    # pooling, over `pooled_tokens` tokens).
+    pooling: object = None
+    pooled: object = None
+    pooled_tokens: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -87,9 +102,11 @@ class Req:
         """`token_ids` as the prefix cache keys them: under an adapter, moved into that
         adapter load's own id range, so the same text under two adapters (or the base) never
         shares KV."""
-        if self.lora is None:
+        offset = self.cache_namespace << NAMESPACE_KEY_SHIFT
+        if self.lora is not None:
+            offset += self.lora.uid << LORA_KEY_SHIFT
+        if not offset:
             return token_ids
-        offset = self.lora.uid << LORA_KEY_SHIFT
         return [t + offset for t in token_ids]
 
     def tokens(self, start: int, end: int) -> list[int]:
@@ -124,6 +141,24 @@ class Req:
     def wants_input_logprobs(self) -> bool:
         """Prompt logprobs asked for and not all computed yet."""
         return self.logprob_start_len >= 0 and not self.input_logprobs_done
+
+    @property
+    def needs_prompt_pass(self) -> bool:
+        """The prompt must run even with no token to generate: for its logprobs, or a pooling
+        model's result."""
+        return self.wants_input_logprobs or self.pooling is not None
+
+    @property
+    def cacheable_prefix_limit(self) -> int:
+        """How many prompt tokens a cached prefix may cover: all but the last, less where every
+        token's output is wanted (prompt logprobs from their start, hidden states, mean
+        pooling needs every token's state)."""
+        limit = self.cacheable(self.seq_len - 1)
+        if self.wants_input_logprobs:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        if self.return_hidden_states or (self.pooling is not None and self.pooling.mode == "mean"):
+            limit = 0
+        return limit
 
     def slot_entry(self) -> SlotEntry:
         """What the request's slot of the device sampling state must hold

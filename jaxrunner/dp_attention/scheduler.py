@@ -20,6 +20,7 @@ the device, which needs the per-rank token gather of `ForwardBatch.prepare` over
 from collections.abc import Callable
 
 from jaxrunner.batch.schedule_batch import Req
+from jaxrunner.scheduler.faults import fail_requests
 from jaxrunner.scheduler.grammar_mask import fill_vocab_mask, is_constrained
 from jaxrunner.scheduler.scheduler import Scheduler
 
@@ -97,13 +98,23 @@ class DataParallelScheduler:
             return []
         self.forward_ct += 1
         self.num_idle_rank_steps += len(batches) - active
-        worker_batches = self.dp_worker.worker_batches(batches)
-        masks = self._vocab_masks(batches, worker_batches)
-        results = self.dp_worker.forward_batch_generation(worker_batches, masks)
+        prefixes = [[r.num_computed_tokens for r in b.reqs] if b else [] for b in batches]
+        try:
+            worker_batches = self.dp_worker.worker_batches(batches)
+            masks = self._vocab_masks(batches, worker_batches)
+            results = self.dp_worker.forward_batch_generation(worker_batches, masks)
+        except Exception as e:  # every rank's batch fails (scheduler/faults.py); none ran
+            return self._forget([req for rank, batch, before in zip(self.ranks, batches, prefixes)
+                                 if batch is not None
+                                 for req in fail_requests(rank, batch.reqs, before, e)])
         updated = []
         for rank, batch, result in zip(self.ranks, batches, results):
             if batch is not None:
                 updated += rank.process_batch_result(rank.record_launch(batch, result))
+        return self._forget(updated)
+
+    def _forget(self, updated: list[Req]) -> list[Req]:
+        """`updated`, the finished ones no longer mapped to their rank."""
         for req in updated:
             if req.finished:
                 self._rank_of.pop(req.rid, None)

@@ -47,6 +47,12 @@ class RankResult:
         t = self.num_tokens
         return lps[self.rank, :t], ids[self.rank, :t], tops[self.rank, :t]
 
+    def hidden_states_to_host(self):
+        raise NotImplementedError("return_hidden_states is not implemented with DP attention")
+
+    def pooled_to_host(self):
+        raise NotImplementedError("pooling models are not implemented with DP attention")
+
 
 def stack_worker_batches(workers: list[ModelWorkerBatch], prev_tokens: jax.Array,
                          input_embeds: jax.Array, sharding) -> tuple[ForwardBatch, object]:

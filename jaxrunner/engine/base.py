@@ -91,4 +91,13 @@ class ServingEngine(Protocol):
 
     def dump_expert_distribution_record(self, path: str | None = None) -> dict: ...
 
+    def rebalance_experts(self) -> dict:
+        """EPLB now: a MoE model's experts placed anew from the routed counts."""
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """No step runs until `continue_generation`; "abort" ends the requests in the engine
+        first, "in_place" keeps them (SGLang's)."""
+
+    def continue_generation(self) -> None: ...
+
     def shutdown(self) -> None: ...

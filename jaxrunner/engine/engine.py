@@ -14,6 +14,7 @@ from jaxrunner.engine.lifecycle import EngineLifecycle, EngineNotReadyError
 from jaxrunner.engine.output import Logprobs, generate_answer, meta_info
 from jaxrunner.engine.request_factory import RequestFactory
 from jaxrunner.engine.tokenizer import load_tokenizer
+from jaxrunner.pooling.output import pooled_output
 from jaxrunner.runner.compile_guard import CompileMonitor
 from jaxrunner.sampling.grammar import GrammarCache
 from jaxrunner.scheduler.decode import PlainDecode
@@ -57,6 +58,8 @@ class Engine(EngineLifecycle):
     def __init__(self, **kwargs):
         args = EngineArgs.from_kwargs(**kwargs)
         self.model_config = ModelConfig.from_pretrained(args.model_path)
+        if args.is_embedding:
+            self.model_config = self.model_config.as_embedding()
         self.tokenizer = None
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
@@ -87,7 +90,11 @@ class Engine(EngineLifecycle):
                                               self.grammar_cache, self.tokenizer is not None,
                                               self.args.random_seed,
                                               speculative=self.args.speculative_algorithm,
-                                              check=self.scheduler.check_request)
+                                              check=self.scheduler.check_request,
+                                              model_config=cfg,
+                                              hidden_states=self.args.enable_return_hidden_states)
+        # pause_generation: no step runs until continue_generation.
+        self._paused = False
         # Start-up objects (model, executables, tokenizer) live as long as the engine: freezing
         # them keeps the cyclic GC's full collections, which pause a step for ~0.3 s here, short.
         gc.collect()
@@ -117,7 +124,8 @@ class Engine(EngineLifecycle):
                  return_logprob: bool | list[bool] = False, priority: int | list[int] = 0,
                  top_logprobs_num: int | list[int] = 0, logprob_start_len: int | list[int] = -1,
                  show_progress: bool = False, input_embeds=None, replace_embeds=None,
-                 replace_positions=None, lora_path: str | list[str | None] | None = None):
+                 replace_positions=None, lora_path: str | list[str | None] | None = None,
+                 return_hidden_states: bool = False):
         """Generates for one prompt (a dict back) or a list of prompts (a list of dicts back).
 
         `prompt` is text (or a list of texts), `input_ids` token ids (or a list of lists),
@@ -135,8 +143,11 @@ class Engine(EngineLifecycle):
         `show_progress` draws a progress bar of finished requests. `lora_path` names the LoRA
         adapter each request runs with (SGLang's: a name from `lora_paths` or
         `load_lora_adapter`; None: the base model), one for all or a list.
+        `return_hidden_states` (with `enable_return_hidden_states`): meta_info["hidden_states"],
+        the prompt tokens' states after the final norm, then one per generated token read.
         """
         self._check_serving()
+        self._check_generating()
         single, prompts, embeds = self._normalize_prompts(prompt, input_ids, input_embeds)
         n = len(prompts)
         per_request = [self._per_request(v, n, name, default) for v, name, default in (
@@ -154,11 +165,42 @@ class Engine(EngineLifecycle):
                 group = self.request_factory.make_group(
                     ids, p, return_logprob=lp, priority=prio, top_logprobs_num=top,
                     logprob_start_len=start, embed_override=override,
-                    lora=self.lora_adapter(lora))
+                    lora=self.lora_adapter(lora), return_hidden_states=return_hidden_states)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
             reqs += group
-        single = single and len(reqs) == 1
+        return self._run(reqs, single and len(reqs) == 1, show_progress)
+
+    def encode(self, prompt=None, input_ids=None, dimensions: int | None = None,
+               priority: int = 0):
+        """A pooling model's results (SGLang's `Engine.encode`): for one prompt a dict, for a
+        list of prompts a list of dicts, `{"embedding", "meta_info"}`. An embedding model's
+        `embedding` is the pooled vector (normalised if the model normalises; `dimensions`:
+        its first entries, Matryoshka truncation, normalised again), a classification or
+        reward model's its label scores (logits). `prompt` is text or a list of texts,
+        `input_ids` token ids or a list of lists."""
+        self._check_serving()
+        if self.model_config.is_generation:
+            raise ValueError(f"encode needs an embedding or classification model; "
+                             f"{self.model_config.architecture} generates (use generate, or "
+                             f"start the engine with is_embedding)")
+        single, prompts = self._token_prompts(prompt, input_ids)
+        reqs = []
+        for i, ids in enumerate(prompts):
+            try:
+                reqs.append(self.request_factory.make(ids, priority=priority,
+                                                      dimensions=dimensions))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        return self._run(reqs, single, False)
+
+    classify = encode  # SGLang's reward-model route's name: the same results
+
+    def _run(self, reqs: list[Req], single: bool, show_progress: bool):
+        """Queues `reqs`, steps until they finish, and returns their outputs."""
+        if self._paused:
+            raise ValueError("generation is paused (pause_generation); continue_generation "
+                             "first")
         for req in reqs:
             self.scheduler.add_request(req)
         progress = tqdm(total=len(reqs), desc="generating", disable=not show_progress)
@@ -219,7 +261,25 @@ class Engine(EngineLifecycle):
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work
+        """Whether `step` has work: requests in the engine, and generation not paused."""
+        return self.scheduler.has_work and not self._paused
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stops stepping until `continue_generation` (SGLang's, for RL weight syncs):
+        "abort" first ends every request in the engine (finish_reason abort), "in_place"
+        keeps them, their KV held, to go on where they stopped. Requests queued meanwhile wait.
+        SGLang's "retract" mode is not implemented (ValueError)."""
+        if mode not in ("abort", "in_place"):
+            raise ValueError(f"pause_generation mode {mode!r} is not implemented (abort or "
+                             f"in_place)")
+        if mode == "abort":
+            for req in self.unfinished_requests():
+                self.scheduler.abort_request(req, "aborted by pause_generation")
+        self._paused = True
+
+    def continue_generation(self) -> None:
+        """Steps again after `pause_generation`."""
+        self._paused = False
 
     def _normalize_prompts(self, prompt, input_ids, input_embeds
                            ) -> tuple[bool, list[list[int]], list]:
@@ -285,6 +345,12 @@ class Engine(EngineLifecycle):
         if blocker is not None:
             raise EngineNotReadyError(f"cannot take requests: {blocker}")
 
+    def _check_generating(self) -> None:
+        if not self.model_config.is_generation:
+            raise ValueError(f"this is a pooling model ({self.model_config.head} head of "
+                             f"{self.model_config.architecture}): it generates nothing; use "
+                             f"encode")
+
     def output(self, req: Req) -> dict:
         """The answer of a finished request: SGLang's `/generate` dict
         (jaxrunner/engine/output.py)."""
@@ -294,6 +360,10 @@ class Engine(EngineLifecycle):
                          cached_tokens=req.cached_tokens, weight_version=self.weight_version,
                          logprobs=Logprobs.of(req) if req.return_logprob else None,
                          spec_verify_ct=spec_verify_ct)
+        if req.pooling is not None:
+            return {"embedding": pooled_output(req), "meta_info": meta}
+        if req.return_hidden_states:
+            meta["hidden_states"] = req.hidden_states
         text = None
         if self.tokenizer is not None:
             text = (req.stopped_text if req.stopped_text is not None

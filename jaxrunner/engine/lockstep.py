@@ -9,7 +9,8 @@ with the same inputs. Rank 0 takes the requests and, before each step, broadcast
 all of them build the same batches.
 
 A lifecycle verb (flush the prefix cache, update or read weights, release or resume memory,
-load or unload a LoRA adapter, start or stop the expert recorder) is a step of its own: rank 0
+load or unload a LoRA adapter, start or stop the expert recorder, rebalance the experts) is a
+step of its own: rank 0
 broadcasts it in place of a step, every rank runs it at that same point of the sequence, and
 then the ranks compare what came out (the result or the error's type, the memory facts, the
 weight version) in one all-gather of digests, which is also the barrier: rank 0 returns only
@@ -65,7 +66,8 @@ _LOCKSTEP_VERBS = {verb.__name__: verb for verb in (
     Engine.flush_cache, Engine.update_weights_from_disk, Engine.update_weights_from_tensor,
     Engine.get_weights_by_name, Engine.release_memory_occupation,
     Engine.resume_memory_occupation, Engine.load_lora_adapter, Engine.unload_lora_adapter,
-    Engine.start_expert_distribution_record, Engine.stop_expert_distribution_record)}
+    Engine.start_expert_distribution_record, Engine.stop_expert_distribution_record,
+    Engine.rebalance_experts, Engine.pause_generation, Engine.continue_generation)}
 
 
 @dataclass
@@ -243,8 +245,20 @@ class LockstepEngine:
     def start_expert_distribution_record(self) -> None:
         return self._run_everywhere("start_expert_distribution_record")
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Every rank stops stepping (and, with "abort", aborts the same requests)."""
+        return self._run_everywhere("pause_generation", mode)
+
+    def continue_generation(self) -> None:
+        return self._run_everywhere("continue_generation")
+
     def stop_expert_distribution_record(self) -> None:
         return self._run_everywhere("stop_expert_distribution_record")
+
+    def rebalance_experts(self) -> dict:
+        """Every rank rebalances from the same routed counts (replicated on the devices) and
+        moves the same experts, in one program over every host's slots."""
+        return self._run_everywhere("rebalance_experts")
 
     def dump_expert_distribution_record(self, path: str | None = None) -> dict:
         """Rank 0's record (it reads the counts back; every rank holds the same)."""

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import hashlib
 import itertools
 import numbers
 import random
 import threading
 
 from jaxrunner.batch.schedule_batch import Req
+from jaxrunner.pooling.output import PoolingRequest
 from jaxrunner.sampling.batch import BIAS_TABLE_SIZE
 from jaxrunner.sampling.grammar import GrammarCache
 from jaxrunner.sampling.params import SamplingParams
@@ -30,12 +32,19 @@ class RequestFactory:
 
     def __init__(self, vocab_size: int, eos_token_ids, max_req_len: int,
                  grammar_cache: GrammarCache | None, has_tokenizer: bool, random_seed: int,
-                 speculative: str | None = None, check: Callable[[Req], None] | None = None):
+                 speculative: str | None = None, check: Callable[[Req], None] | None = None,
+                 model_config=None, hidden_states: bool = False):
         """`max_req_len`: the most tokens (prompt + output) one request may reach.
         `grammar_cache` None: no tokenizer, so no grammars. `speculative`: the engine's
         speculative algorithm (its verify rounds accept by temperature / top-k / top-p / min-p
         only, so options that change the sampler are refused). `check`: the scheduler's own
-        refusals (a block-diffusion LM's, `DllmScheduler.check_request`), raising ValueError."""
+        refusals (a block-diffusion LM's, `DllmScheduler.check_request`), raising ValueError.
+        `model_config`: a pooling model's config makes every request a pooling request (its
+        prompt run, nothing generated). `hidden_states`: requests may ask for hidden states
+        (`enable_return_hidden_states`)."""
+        self.pooling_config = (None if model_config is None or model_config.is_generation
+                               else model_config)
+        self.hidden_states = hidden_states
         self.speculative = speculative
         self.check = check
         self.vocab_size = vocab_size
@@ -64,11 +73,23 @@ class RequestFactory:
     def make(self, input_ids, sampling_params: dict | SamplingParams | None = None, *,
              return_logprob: bool = False, priority: int = 0, top_logprobs_num: int = 0,
              logprob_start_len: int = -1, strict_budget: bool = False,
-             embed_override=None, lora=None) -> Req:
+             embed_override=None, lora=None, cache_salt: str | None = None,
+             return_hidden_states: bool = False, dimensions: int | None = None) -> Req:
         """One validated request. `strict_budget`: a prompt + max_new_tokens past the context
         is an error (the server's rule, as OpenAI's); otherwise max_new_tokens is capped.
         `embed_override`: given embeddings of some prompt positions (`input_embeds.py`).
-        `lora`: the LoRA adapter to run with (`lora.registry.LoraRegistry.get`), or None."""
+        `lora`: the LoRA adapter to run with (`lora.registry.LoraRegistry.get`), or None.
+        `cache_salt`: shares cached prefixes only with requests of the same salt.
+        `return_hidden_states`: the hidden states of its tokens (`Req.hidden_states`).
+        `dimensions`: a pooling model's Matryoshka truncation."""
+        if self.pooling_config is not None:
+            return self._make_pooling(input_ids, sampling_params, priority, dimensions,
+                                      return_logprob, embed_override, lora)
+        if dimensions is not None:
+            raise ValueError("dimensions applies to embedding models; this one generates")
+        if return_hidden_states and not self.hidden_states:
+            raise ValueError("return_hidden_states needs an engine started with "
+                             "enable_return_hidden_states (--enable-return-hidden-states)")
         ids = self.check_prompt(input_ids)
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
@@ -81,10 +102,14 @@ class RequestFactory:
         self._check_bias_table(params)
         room = self.max_req_len - len(ids)
         if strict_budget and params.max_new_tokens > room:
+            # SGLang's wording, which its clients match on.
             raise ValueError(
-                f"This model's maximum context length is {self.max_req_len} tokens. However, "
-                f"you requested {len(ids) + params.max_new_tokens} tokens ({len(ids)} in the "
-                f"prompt, {params.max_new_tokens} in the completion).")
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.max_req_len} tokens. You requested a total of "
+                f"{len(ids) + params.max_new_tokens} tokens: {len(ids)} tokens from the input "
+                f"messages and {params.max_new_tokens} tokens for the completion. Please reduce "
+                f"the number of tokens in the input messages or the completion to fit within "
+                f"the limit.")
         top, start = self._check_logprob_options(return_logprob, top_logprobs_num,
                                                  logprob_start_len, len(ids))
         if self.speculative is not None:
@@ -102,10 +127,32 @@ class RequestFactory:
                   max_new_tokens=min(params.max_new_tokens, room),
                   eos_token_ids=self.eos_token_ids, return_logprob=bool(return_logprob),
                   priority=int(priority), grammar=grammar, top_logprobs_num=top,
-                  logprob_start_len=start, embed_override=embed_override, lora=lora)
+                  logprob_start_len=start, embed_override=embed_override, lora=lora,
+                  cache_namespace=cache_namespace(cache_salt),
+                  return_hidden_states=bool(return_hidden_states))
         if self.check is not None:
             self.check(req)
         return req
+
+    def _make_pooling(self, input_ids, sampling_params, priority, dimensions, return_logprob,
+                      embed_override, lora) -> Req:
+        """A pooling model's request: its prompt runs, nothing is generated."""
+        bad = [name for name, given in (
+            ("sampling_params", sampling_params not in (None, {})),
+            ("return_logprob", bool(return_logprob)), ("input embeddings", embed_override),
+            ("lora_path", lora)) if given]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} not implemented for a pooling model: it "
+                             f"returns an embedding or scores, nothing generated")
+        ids = self.check_prompt(input_ids)
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        pooling = PoolingRequest.of(self.pooling_config, dimensions)
+        with self._lock:
+            rid = next(self._rids)
+        return Req(rid=rid, origin_input_ids=ids, sampling_params=SamplingParams().normalized(),
+                   seed=0, max_new_tokens=0, eos_token_ids=self.eos_token_ids,
+                   priority=int(priority), pooling=pooling)
 
     def _check_speculative(self, params: SamplingParams, top: int, start: int) -> None:
         """What speculative decoding does not implement, refused by name."""
@@ -145,9 +192,8 @@ class RequestFactory:
             if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
         if len(input_ids) >= self.max_req_len:
-            raise ValueError(f"the prompt has {len(input_ids)} tokens, but this model's context "
-                             f"length is {self.max_req_len} tokens (a prompt must leave room "
-                             "for at least one new token)")
+            raise ValueError(f"The input ({len(input_ids)} tokens) is longer than the model's "
+                             f"context length ({self.max_req_len} tokens).")
         return [int(t) for t in input_ids]
 
     def _check_text_options(self, params: SamplingParams) -> None:
@@ -185,3 +231,12 @@ class RequestFactory:
                 raise ValueError("top_logprobs_num and logprob_start_len need return_logprob")
             return 0, -1
         return int(top_logprobs_num), int(logprob_start_len)
+
+
+def cache_namespace(salt: str | None) -> int:
+    """The prefix-cache namespace of a `cache_salt`: 0 for none, else a 64-bit digest of it."""
+    if salt is None:
+        return 0
+    if not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a string, got {salt!r}")
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little") or 1

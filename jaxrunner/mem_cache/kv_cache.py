@@ -2,7 +2,9 @@
 
 Layout: `[num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim]`. Each layer's slice is
 the DESIGN.md layout `[num_pages, page_size, 2 * num_kv_heads, head_dim]` (K in the even and V in
-the odd slots of axis 2) that the Pallas and C++ kernels read. One array rather than one per
+the odd slots of axis 2) that the Pallas and C++ kernels read; with multi-head latent attention
+`[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`, one latent row per token
+(kernels_pallas/mla). One array rather than one per
 layer, because the decoder runs its layers as one scanned body: the step threads the whole cache
 through the scan as loop state, and the attention of layer l reads and writes the pages of its
 slice in place (`models/llama.py`).
@@ -29,11 +31,16 @@ class TokenToKVPool:
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype, sharding=None, *, abstract: bool = False):
-        """`abstract`: no memory at all (for compiling only); `kv_cache` is then `spec`."""
+                 head_dim: int, dtype, sharding=None, *, abstract: bool = False,
+                 latent: bool = False):
+        """`abstract`: no memory at all (for compiling only); `kv_cache` is then `spec`.
+        `latent`: one row of head_dim per token and layer (multi-head latent attention),
+        [L, pages, page_size, head_dim]: no axis of size 1, whose layout XLA would be free to
+        move and then copy the cache back (num_kv_heads is not read)."""
         self.page_size = page_size
         self.num_layers = num_layers
-        self.shape = (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
+        rows = () if latent else (2 * num_kv_heads,)
+        self.shape = (num_layers, num_pages, page_size, *rows, head_dim)
         self.dtype = jnp.dtype(dtype)
         self.spec = jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
         self._cache = self.spec if abstract else None
@@ -47,6 +54,20 @@ class TokenToKVPool:
             self._allocating = threading.Thread(target=in_this_context(self._allocate),
                                                 name="kv-cache-zeros", daemon=True)
             self._allocating.start()
+
+    @classmethod
+    def for_model(cls, cfg, num_layers: int, num_pages: int, page_size: int, dtype,
+                  sharding=None, *, abstract: bool = False,
+                  latent_width: int | None = None) -> "TokenToKVPool":
+        """The cache of `cfg`'s attention (a ModelConfig as sharded): per-head K/V, or with
+        multi-head latent attention one latent row per token and layer, [L, pages, page_size,
+        kv_lora_rank + qk_rope_head_dim], or `latent_width` where the kernel pads the rows
+        (jaxrunner/attention/mla.py `latent_cache_width`)."""
+        if cfg.mla is not None:
+            return cls(num_layers, num_pages, page_size, 1, latent_width or cfg.mla.latent_dim,
+                       dtype, sharding, abstract=abstract, latent=True)
+        return cls(num_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim,
+                   dtype, sharding, abstract=abstract)
 
     def _allocate(self) -> None:
         try:
@@ -103,6 +124,16 @@ def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
     return num_layers * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def model_kv_bytes_per_token(cfg, num_layers: int, tp_size: int, dtype,
+                             latent_width: int | None = None) -> int:
+    """A token's KV bytes per device in `num_layers` layers of `cfg` (a ModelConfig as
+    sharded): its KV heads' share of one device, or, with multi-head latent attention, the
+    latent row each device holds whole (`latent_width` wide where the kernel pads it)."""
+    if cfg.mla is not None:
+        return num_layers * (latent_width or cfg.mla.latent_dim) * jnp.dtype(dtype).itemsize
+    return kv_bytes_per_token(num_layers, cfg.num_key_value_heads // tp_size, cfg.head_dim, dtype)
 
 
 def host_available_bytes() -> int:

@@ -54,6 +54,9 @@ class Parallelism:
     kv_cache: NamedSharding
     heads: NamedSharding            # q/k/v [T, H or K, Dh]: heads over `tensor`
     batch: NamedSharding            # DP attention inputs [dp, ...]: one row per DP rank
+    # A latent KV cache (MLA) [L, dp * num_pages, page_size, W]: each DP rank's pages on its
+    # mesh row, whole on every device of it (one row serves every head).
+    latent_kv_cache: NamedSharding
 
     @classmethod
     def create(cls, tp_size: int = 1, dp_size: int = 1, devices=None) -> "Parallelism":
@@ -66,7 +69,12 @@ class Parallelism:
                    replicated=NamedSharding(mesh, P()),
                    kv_cache=NamedSharding(mesh, P(None, DATA_AXIS, None, TENSOR_AXIS, None)),
                    heads=NamedSharding(mesh, P(None, TENSOR_AXIS, None)),
-                   batch=NamedSharding(mesh, P(DATA_AXIS)))
+                   batch=NamedSharding(mesh, P(DATA_AXIS)),
+                   latent_kv_cache=NamedSharding(mesh, P(None, DATA_AXIS)))
+
+    def kv_cache_sharding(self, latent: bool) -> NamedSharding:
+        """The KV cache's sharding: heads over `tensor`, or a latent cache's (`latent`)."""
+        return self.latent_kv_cache if latent else self.kv_cache
 
     @property
     def tp_size(self) -> int:

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import partial
 import os
+import time
 from typing import Protocol
 import weakref
 
@@ -28,7 +29,7 @@ from jaxrunner.parallel.mesh import Parallelism
 from jaxrunner.runner.compile_guard import CompileMonitor, in_this_context
 from jaxrunner.runner.executable_cache import ExecutableCache
 from jaxrunner.runner.step_programs import StepPrograms
-from kernels_pallas import lowering
+from kernels_pallas import lowering, targets
 
 # Engine arguments that do not change any compiled program (left out of the executable cache's
 # key, so e.g. another checkpoint of the same shapes or another scheduling policy reuses it).
@@ -43,8 +44,10 @@ _SCHEDULING_ONLY_ARGS = ("model_path", "tokenizer_path", "skip_tokenizer_init", 
                          "expert_distribution_recorder_dir",
                          "constrained_json_whitespace_pattern",
                          "constrained_json_disable_any_whitespace", "lora_paths",
+                         # Read when the model config is resolved (its head is in the key).
+                         "is_embedding",
                          # The layer ranges are array data of one program per prefill bucket.
-                         "split_prefill_layers")
+                         "split_prefill_layers", "max_queued_requests", "request_timeout")
 
 
 def program_fingerprint(state, kv_spec, args, sharded_config, attention_backend: str,
@@ -77,31 +80,72 @@ def per_dp_shape(parallel: Parallelism, *shape) -> tuple:
     return shape if parallel.dp_size == 1 else (parallel.dp_size, *shape)
 
 
+@dataclass(frozen=True)
+class ProgramReport:
+    """One program's compile: whether the compiler took it (else its one-line reason), the
+    temporaries it allocates besides its arguments and outputs (memory_analysis), the time."""
+
+    name: str
+    ok: bool
+    error: str
+    temp_bytes: int
+    compile_s: float
+
+
 class Compiler:
     """Compiles a runner's programs: from the executable cache or XLA (`compiled`), several at
-    once (`compile_all`); or lowers them for a lowering target (`export`)."""
+    once (`compile_all`); or lowers them for a lowering target (`export`). Every compile's
+    `ProgramReport` is kept in `reports`."""
 
     def __init__(self, platform: str, mesh, lowering_target: lowering.Target | None = None,
-                 show_progress: bool = False):
-        """`platform`: this machine's (the compiler options are chosen for it)."""
+                 show_progress: bool = False, compile_target: targets.Target | None = None):
+        """`platform`: the one the programs are compiled for (the compiler options are chosen
+        for it). `compile_target`: `mesh` is of that target's compile-only devices; a program the
+        compiler refuses is then reported, not raised (`reports`), so that every program is
+        tried (`jaxrunner.compile_check`)."""
         self.options = defaults.COMPILER_OPTIONS.get(platform)
         self.mesh = mesh
         self.lowering_target = lowering_target
+        self.compile_target = compile_target
         self.show_progress = show_progress
         self.cache: ExecutableCache | None = None
+        self.reports: dict[str, ProgramReport] = {}
 
     def open_cache(self, directory: str | None, fingerprint: tuple) -> None:
         """Keeps executables in `directory` (None: nowhere) under `fingerprint`."""
         self.cache = ExecutableCache.create(directory, self.mesh.devices.flat, fingerprint)
 
     def compiled(self, name: str, lower):
-        """The executable `name`: from the executable cache, or lowered and compiled."""
+        """The executable `name`: from the executable cache, or lowered and compiled (None for
+        a program a compile target's compiler refused: see `reports`)."""
+        start = time.perf_counter()
         compiled = self.cache.get(name) if self.cache is not None else None
         if compiled is None:
-            compiled = lower().compile(self.options)
+            try:
+                compiled = self._compile(lower)
+            except Exception as error:
+                if self.compile_target is None:
+                    raise
+                self.reports[name] = ProgramReport(name, False, targets.first_line(error), 0,
+                                                   time.perf_counter() - start)
+                return None
             if self.cache is not None:
                 self.cache.put(name, compiled)
+        self.reports[name] = ProgramReport(name, True, "", _temp_bytes(compiled),
+                                           time.perf_counter() - start)
         return compiled
+
+    def _compile(self, lower):
+        if self.compile_target is None:
+            return lower().compile(self.options)
+        # The Pallas TPU lowering reads the chip's generation from the abstract mesh.
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return lower().compile(self.options)
+
+    @property
+    def max_temp_bytes(self) -> int:
+        """The largest temporaries of any program compiled so far."""
+        return max((r.temp_bytes for r in self.reports.values()), default=0)
 
     def compile_all(self, jobs) -> None:
         """Runs the compile `jobs` several at once: XLA compiles outside the GIL, and the
@@ -123,6 +167,13 @@ class Compiler:
         if self.lowering_target is None:
             raise RuntimeError("export_step and export_sampler need a runner from lower_only")
         return lowering.export(fn, *args, target=self.lowering_target, mesh=self.mesh)
+
+
+def _temp_bytes(compiled) -> int:
+    """What `compiled` allocates besides its arguments and outputs (0 where the backend does not
+    say)."""
+    analysis = compiled.memory_analysis()
+    return 0 if analysis is None else analysis.temp_size_in_bytes
 
 
 class StepOperands(Protocol):

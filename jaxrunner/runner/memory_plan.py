@@ -8,11 +8,16 @@ afterwards. The limits the caller left out are chosen for the platform (jaxrunne
 and capped by the KV capacity:
 
 1. `max_running_requests`, `max_prefill_tokens`: the platform's defaults where None;
-2. KV bytes per token per device: the model's KV heads on one device, plus a speculative draft's
-   (its KV lives on the same pages);
+2. KV bytes per token per device: the model's KV heads on one device (with multi-head latent
+   attention the latent row, whole on every device), plus a speculative draft's (its KV lives
+   on the same pages);
 3. the KV budget: `max_total_tokens`, or `mem_fraction_static` of the device's memory less the
    weights, the LoRA slots and the request slots' sampling state (on a CPU also at most
-   `defaults.CPU_MAX_KV_BYTES`, and no more than every running request at full context);
+   `defaults.CPU_MAX_KV_BYTES`, and no more than every running request at full context); on a
+   TPU or GPU also at most what the programs' temporaries leave of the whole memory: the largest
+   a compiled program reports (`memory_analysis`, `DeviceBytes.program_temp`), else an estimate
+   from the largest prefill bucket's activations (`estimate_program_temp`), plus
+   `PROGRAM_MARGIN` of the memory;
 4. pages of `page_size` (and the dummy page 0), then the defaulted limits capped by them
    (`defaults.fit_to_kv`).
 """
@@ -23,12 +28,18 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jaxrunner import defaults
+from jaxrunner.attention.mla import latent_cache_width
 from jaxrunner.config import EngineArgs
 from jaxrunner.mem_cache import kv_cache
-from jaxrunner.mem_cache.kv_cache import kv_bytes_per_token
+from jaxrunner.mem_cache.kv_cache import model_kv_bytes_per_token
 from jaxrunner.sampling.penalties import slot_state_bytes
 from models.config import ModelConfig
 from models.sharding import sharded_model_config
+
+
+class KvCapacityError(ValueError):
+    """The device's memory leaves no room for a KV cache (not a bad argument: a model too large
+    for the device)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,13 @@ class DeviceBytes:
     weights: int = 0               # the model's weights
     lora_pool: int = 0             # the LoRA adapter slots
     draft_kv_per_token: int = 0    # a speculative draft's KV bytes per token, on the same pages
+    # The largest temporaries of the compiled programs (None: not compiled yet, estimated).
+    program_temp: int | None = None
+
+
+# Of a TPU's or GPU's memory, kept free beside the weights, the KV cache and the largest
+# program's temporaries: the runtime's own buffers, the uploads of a step, fragmentation.
+PROGRAM_MARGIN = 0.03
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,10 @@ class MemoryPlan:
     num_pages: int                 # per DP rank, the dummy page included
     max_total_tokens: int          # the pages' tokens, the dummy page's not
     max_pages_per_req: int         # pages of a request at full context
+    program_temp: int = 0          # per device: kept aside for the programs' temporaries
+    budget: int | None = None      # per device: what the KV cache could take (None: given)
+    device: DeviceBytes | None = None  # what the plan read of the device
+    latent_width: int | None = None  # a latent KV cache's row width (MLA); None: per-head
 
     @property
     def num_slots(self) -> int:
@@ -89,18 +111,21 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
                                              args.chunked_prefill_size or 0)
     sharded = sharded_model_config(model_config, args.tp_size, args.ep_num_redundant_experts)
     # Per device: each holds its KV heads' slice of every page.
-    per_token = kv_bytes_per_token(sharded.num_hidden_layers,
-                                   sharded.num_key_value_heads // args.tp_size, sharded.head_dim,
-                                   kv_cache_dtype(args, model_config))
+    latent_width = latent_cache_width(sharded, attention_backend, platform,
+                                      args.pallas_interpret)
+    per_token = model_kv_bytes_per_token(sharded, sharded.num_hidden_layers, args.tp_size,
+                                         kv_cache_dtype(args, model_config), latent_width)
     per_token += device.draft_kv_per_token
     max_total_tokens = args.max_total_tokens
+    program_temp, budget = 0, None
     if max_total_tokens is None:
-        max_total_tokens = _kv_capacity(args, platform, device, per_token, running, context_len,
-                                        sharded.vocab_size)
+        program_temp = _program_temp(args, sharded, platform, device, running, prefill)
+        budget = _kv_budget(args, device, running, sharded.vocab_size, program_temp)
+        max_total_tokens = _kv_capacity(platform, budget, per_token, running, context_len)
     num_pages = max_total_tokens // args.page_size + 1  # + the dummy page
     if num_pages < 2:
-        raise ValueError(f"no memory left for the KV cache ({max_total_tokens} tokens); lower "
-                         f"mem_fraction_static's load or pass max_total_tokens")
+        raise KvCapacityError(f"no memory left for the KV cache ({max_total_tokens} tokens); "
+                              f"lower mem_fraction_static's load or pass max_total_tokens")
     max_total_tokens = (num_pages - 1) * args.page_size
     fit_running, fit_prefill = defaults.fit_to_kv(running, prefill, max_total_tokens,
                                                   args.page_size)
@@ -109,19 +134,52 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
         args, max_running_requests=args.max_running_requests or fit_running,
         max_prefill_tokens=args.max_prefill_tokens or fit_prefill)
     return MemoryPlan(resolved, context_len, per_token, num_pages, max_total_tokens,
-                      max_pages_per_req)
+                      max_pages_per_req, program_temp, budget, device, latent_width)
 
 
-def _kv_capacity(args: EngineArgs, platform: str, device: DeviceBytes, per_token: int,
-                 running: int, context_len: int, vocab_size: int) -> int:
-    """The tokens the KV cache may hold when `max_total_tokens` is left out."""
+def estimate_program_temp(sharded: ModelConfig, tp_size: int, max_prefill_tokens: int,
+                          max_rows: int) -> int:
+    """An upper estimate of a step's temporaries before anything is compiled: the largest
+    prefill bucket's activations in float32 (the residual stream and norms, q/k/v, the MLP's
+    gate, up and product, of one layer at a time: the layers are scanned) and the sampler's
+    float32 logits of `max_rows` rows, a few copies of each."""
+    heads = (sharded.num_attention_heads + 2 * sharded.num_key_value_heads) // tp_size
+    mlp = (sharded.moe_intermediate_size * sharded.num_experts_per_tok if sharded.is_moe
+           else sharded.intermediate_size) // tp_size
+    per_token = 4 * (4 * sharded.hidden_size + heads * sharded.head_dim + 3 * mlp)
+    return max_prefill_tokens * per_token + 4 * max_rows * sharded.vocab_size * 4
+
+
+def _program_temp(args: EngineArgs, sharded: ModelConfig, platform: str, device: DeviceBytes,
+                  running: int, prefill: int) -> int:
+    """What a TPU or GPU keeps aside for the programs' temporaries: as compiled, else
+    estimated (a CPU's programs take host memory, which its KV budget already leaves alone)."""
+    if platform == "cpu" or device.memory is None:
+        return 0
+    if device.program_temp is not None:
+        return device.program_temp
+    return estimate_program_temp(sharded, args.tp_size, prefill, running + 1)
+
+
+def _kv_budget(args: EngineArgs, device: DeviceBytes, running: int, vocab_size: int,
+               program_temp: int) -> int:
+    """Bytes per device the KV cache may take when `max_total_tokens` is left out."""
     if device.memory is None:
         raise ValueError("the KV cache needs max_total_tokens: there is no device memory to "
                          "size it from")
-    budget = int(device.memory * args.mem_fraction_static) - device.weights
+    # `mem_fraction_static` is the weights' and the KV cache's share, as in SGLang; the rest
+    # must still hold the programs' temporaries (on a CPU `program_temp` is 0).
+    margin = int(PROGRAM_MARGIN * device.memory) if program_temp else 0
+    budget = min(int(device.memory * args.mem_fraction_static),
+                 device.memory - program_temp - margin) - device.weights
     # The adapter slots and the request slots' sampling state (jaxrunner/sampling/penalties.py)
     # are taken before the KV cache.
-    budget -= device.lora_pool + args.dp_size * slot_state_bytes(running + 1, vocab_size)
+    return budget - device.lora_pool - args.dp_size * slot_state_bytes(running + 1, vocab_size)
+
+
+def _kv_capacity(platform: str, budget: int, per_token: int, running: int,
+                 context_len: int) -> int:
+    """The tokens the KV cache may hold in `budget` bytes per device."""
     tokens = budget // per_token
     if platform == "cpu":
         # Host memory is shared with everything else, and more than every running request at

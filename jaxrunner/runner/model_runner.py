@@ -25,7 +25,7 @@ import numpy as np
 from jaxrunner.attention import AttentionConfig, create_attention_backend
 from jaxrunner.batch.buckets import Bucket, executable_mode, pick_bucket
 from jaxrunner.batch.forward_batch import ForwardBatch
-from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.batch.schedule_batch import ModelWorkerBatch
 from jaxrunner.config import EngineArgs
 from jaxrunner.eplb.expert_location import ExpertLocation, ExpertMover
@@ -46,7 +46,7 @@ from jaxrunner.runner.lm_step import LogitsOutput
 from jaxrunner.runner.memory_tags import check_memory_tags
 from jaxrunner.runner.model_layout import abstract_weights, load_weights
 from jaxrunner.runner.model_weights import ModelWeights
-from jaxrunner.runner.run_plan import RunPlan, plan_run
+from jaxrunner.runner.run_plan import RunPlan, fit_memory_to_programs, plan_run
 from jaxrunner.runner.step_programs import StepModel, StepShapes, step_programs
 from jaxrunner.sampling.batch import SlotEntry, SlotInit
 from jaxrunner.sampling.penalties import (
@@ -60,7 +60,8 @@ from jaxrunner.sampling.penalties import (
 )
 from jaxrunner.sampling.sampler import SamplingBatch, abstract_sampling_batch
 from jaxrunner.sampling.step import SamplerOutput, sampling_step, vocab_mask_width
-from kernels_pallas import lowering
+from jaxrunner.speculative.plan import SpeculativePlan
+from kernels_pallas import lowering, targets
 from models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -90,15 +91,14 @@ class ModelRunner:
         self.attention_backend_name = plan.attention_backend
         self.abstract, self.lowering_target = plan.abstract, plan.lowering_target
         self.dllm = plan.dllm
-        memory = plan.memory
-        self.context_len, self.max_total_tokens = memory.context_len, memory.max_total_tokens
-        self.max_pages_per_req = memory.max_pages_per_req
+        self._read_memory_plan(plan)
         self.compile_monitor = compile_monitor or CompileMonitor()
         # What a step's per-batch inputs and outputs and the sampler's are placed with: under
         # DP attention (jaxrunner/dp_attention/worker.py) each rank's row of a [dp, ...] batch
         # on its devices; else whole on every device (the sampler is not sharded).
         self.io_sharding = self.parallel.batch if self.parallel.dp_size > 1 else (
             self.parallel.replicated)
+        self.kv_sharding = self.parallel.kv_cache_sharding(self.sharded_config.mla is not None)
         self.released_tags: set[str] = set()  # memory freed by release_memory_occupation
         self.load_model()
         self.init_lora_pool()
@@ -106,6 +106,13 @@ class ModelRunner:
         self.init_attention_backend()
         self.init_step_programs()
         self.precompile()
+        self.fit_kv_to_programs()
+
+    def _read_memory_plan(self, plan: RunPlan) -> None:
+        self.run_plan = plan
+        memory = plan.memory
+        self.context_len, self.max_total_tokens = memory.context_len, memory.max_total_tokens
+        self.max_pages_per_req = memory.max_pages_per_req
 
     # ---- initialisation, in order ----
 
@@ -118,10 +125,14 @@ class ModelRunner:
         else:
             graphdef, state, self.cpu_matmul, self.load_format = load_weights(layout, self.args)
         self.graphdef = graphdef
+        # A MoE model's placement of its experts over their slots (EPLB moves them).
+        self.expert_location = (ExpertLocation(self.sharded_config, self.args.ep_size)
+                                if self.sharded_config.is_moe else None)
         self.weights = ModelWeights(graphdef, state, model_cls=layout.model_cls,
                                     config=self.sharded_config,
                                     checkpoint_config=self.model_config, dtype=self.dtype,
-                                    placer=layout.placer, compile_monitor=self.compile_monitor)
+                                    placer=layout.placer, compile_monitor=self.compile_monitor,
+                                    expert_location=self.expert_location)
         # Per device: what one device's memory holds of the weights.
         self.weights_bytes = self.weights.device_bytes
 
@@ -144,10 +155,11 @@ class ModelRunner:
         self.allocators = [PageAllocator(memory.num_pages) for _ in range(dp)]
         self.req_to_token_pools = [ReqToTokenPool(memory.num_slots, self.max_pages_per_req)
                                    for _ in range(dp)]
-        self.token_to_kv_pool = TokenToKVPool(cfg.num_hidden_layers, dp * memory.num_pages,
-                                              self.args.page_size, cfg.num_key_value_heads,
-                                              cfg.head_dim, self.kv_cache_dtype,
-                                              self.parallel.kv_cache, abstract=self.abstract)
+        self.token_to_kv_pool = TokenToKVPool.for_model(cfg, cfg.num_hidden_layers,
+                                                        dp * memory.num_pages,
+                                                        self.args.page_size, self.kv_cache_dtype,
+                                                        self.kv_sharding, abstract=self.abstract,
+                                                        latent_width=memory.latent_width)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", memory.num_pages,
                     self.args.page_size, self.token_to_kv_pool.bytes / 2**20)
         state_sharding = self.parallel.batch if dp > 1 else self.parallel.replicated
@@ -159,12 +171,9 @@ class ModelRunner:
 
     def init_attention_backend(self) -> None:
         cfg = self.sharded_config
-        # Each layer's window comes with its attention kind (models/layers/decoder_stack.py).
-        attn_config = AttentionConfig(
-            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.sm_scale,
-            num_layers=cfg.num_hidden_layers, soft_cap=cfg.attn_logit_softcap,
-            kv_dtype=self.kv_cache_dtype.name)
+        attn_config = AttentionConfig.for_model(cfg, page_size=self.args.page_size,
+                                                num_layers=cfg.num_hidden_layers,
+                                                kv_dtype=self.kv_cache_dtype.name)
         self.attn_backend = create_attention_backend(self.attention_backend_name, attn_config,
                                                      interpret=self.args.pallas_interpret,
                                                      mesh=self.parallel.mesh,
@@ -195,8 +204,11 @@ class ModelRunner:
         self._build_programs()
         if self.lowering_target is not None:
             return
-        self.no_prev_tokens, self.no_input_embeds = self.inputs.zeros()
-        self.compiler.open_cache(self.args.compilation_cache_path, self._program_fingerprint())
+        if self.run_plan.compile_target is None:
+            self.no_prev_tokens, self.no_input_embeds = self.inputs.zeros()
+        # Compile-only devices' executables cannot be kept (nor run).
+        self.compiler.open_cache(None if self.run_plan.compile_target else
+                                 self.args.compilation_cache_path, self._program_fingerprint())
         sizes = self.programs.sample_sizes()
         jobs = self.steps.jobs() + [partial(self._compile_sampler, size) for size in sizes]
         if sizes:  # a runner that samples keeps the request slots' sampling state
@@ -218,10 +230,31 @@ class ModelRunner:
                                 else [])
         self.warm_compile_count = self.compile_monitor.count
 
+    def fit_kv_to_programs(self) -> None:
+        """On a TPU or GPU whose KV cache is sized from its memory: the cache is sized again
+        from the compiled programs' largest temporaries (`memory_analysis`) where they differ
+        from what the plan estimated, and its programs compiled again (run_plan.py:
+        `fit_memory_to_programs`)."""
+        if self.lowering_target is not None:
+            return
+        plan = fit_memory_to_programs(self.run_plan, self.compiler.max_temp_bytes)
+        if plan is None:
+            return
+        logger.info("the compiled programs need %.2f GiB of temporaries (%.2f GiB estimated): "
+                    "KV cache of %d tokens instead of %d", self.compiler.max_temp_bytes / 2**30,
+                    self.run_plan.memory.program_temp / 2**30, plan.memory.max_total_tokens,
+                    self.max_total_tokens)
+        if not self.abstract:
+            self.token_to_kv_pool.release()
+        self._read_memory_plan(plan)
+        self.init_memory_pool()
+        self.init_step_programs()
+        self.precompile()
+
     def _build_programs(self) -> None:
         """The jitted steps and sampler every bucket's executable is lowered from."""
-        self.compiler = Compiler(self.device.platform, self.parallel.mesh, self.lowering_target,
-                                 self.args.show_progress)
+        self.compiler = Compiler(self.platform, self.parallel.mesh, self.lowering_target,
+                                 self.args.show_progress, self.run_plan.compile_target)
         lora_spec = self.lora_pool.batch_spec if self.lora_pool is not None else None
         self.steps = StepExecutables(self.programs, self.jit_step, self, self.inputs,
                                      self.compiler, self.compile_monitor, lora_spec)
@@ -249,7 +282,7 @@ class ModelRunner:
                            if DATA_AXIS in self.moe_runner.expert_axes else None)
             step = data_parallel_step(step, self.parallel.mesh, state_specs)
         return jax.jit(step, donate_argnums=(1,),
-                       out_shardings=(self.io_sharding, self.parallel.kv_cache))
+                       out_shardings=(self.io_sharding, self.kv_sharding))
 
     def step_operands(self, abstract: bool = False) -> tuple:
         """What every step takes before its ForwardBatch (the KV cache donated)."""
@@ -334,7 +367,6 @@ class ModelRunner:
         """A MoE model's small programs, compiled with the steps: summing the routed counts
         (the expert distribution recorder and EPLB) and moving experts between slots."""
         cfg = self.sharded_config
-        self.expert_location = ExpertLocation(cfg, self.args.ep_size)
         total = jax.ShapeDtypeStruct((len(cfg.moe_layers), cfg.num_physical_experts), jnp.int32,
                                      sharding=self.parallel.replicated)
         counts = jax.ShapeDtypeStruct(per_dp_shape(self.parallel, *total.shape), jnp.int32,
@@ -389,6 +421,10 @@ class ModelRunner:
             if batch.input_embeds is not None:
                 host[rank, :len(batch.input_embeds)] = batch.input_embeds
         return jax.device_put(host if self.parallel.dp_size > 1 else host[0], self.io_sharding)
+
+    def capture_mode(self, mode: ForwardMode) -> CaptureHiddenMode:
+        """The capture mode a batch of `mode` runs with: its program's."""
+        return self.programs.runs(mode).capture
 
     def pick_bucket(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Bucket:
         """The precompiled bucket a batch of `mode` pads to."""
@@ -466,6 +502,20 @@ def lower_only(args: EngineArgs, model_config: ModelConfig,
     `export_step(bucket)` and `export_sampler(size)` give each program lowered for the target.
     `args.max_total_tokens` must be set (no device memory to size the KV cache from)."""
     return ModelRunner(plan_run(args, model_config, lowering_target=target))
+
+
+def compile_for_target(args: EngineArgs, model_config: ModelConfig, target: targets.Target,
+                       num_chips: int, speculative: SpeculativePlan | None = None
+                       ) -> ModelRunner:
+    """A runner built from the config's shapes alone for `num_chips` chips of `target`, with every
+    program the engine compiles at start-up compiled by the target's own compiler for its
+    compile-only devices (kernels_pallas/targets.py) and the KV cache planned from the chip's
+    memory, as the engine on that hardware would: `compiler.reports` has each program's
+    outcome (a program the compiler refuses is reported there, not raised), `run_plan.memory`
+    the plan; `speculative`: the target of speculative decoding's programs. Raises ValueError
+    for what the engine would refuse before compiling."""
+    return ModelRunner(plan_run(args, model_config, speculative=speculative,
+                                compile_target=target, num_chips=num_chips))
 
 
 @partial(jax.jit, static_argnums=0)

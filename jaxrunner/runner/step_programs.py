@@ -34,8 +34,8 @@ class ForwardModeNotImplemented(NotImplementedError):
 _HOW_TO_ENABLE = {
     ForwardMode.TARGET_VERIFY: "runs only on the target of speculative decoding "
                                "(speculative_algorithm)",
-    ForwardMode.DRAFT_EXTEND: "runs only on an EAGLE draft head's runner (speculative_algorithm "
-                              "EAGLE or EAGLE3)",
+    ForwardMode.DRAFT_EXTEND: "runs only on a draft head's runner (speculative_algorithm "
+                              "EAGLE, EAGLE3 or NEXTN)",
     ForwardMode.DLLM_EXTEND: "runs only for a block-diffusion LM (dllm_algorithm)",
     ForwardMode.SPLIT_PREFILL: "needs the engine argument enable_split_prefill",
     ForwardMode.IDLE: "has no step of its own: a data-parallel rank without work takes part in "

@@ -61,15 +61,33 @@ class SamplingParams:
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None
     n: int = 1
+    # The stop string (or stop_regex match) stays at the end of the text.
+    no_stop_trim: bool = False
+    # SGLang's fields that change nothing here, or only at a value other than their default
+    # (refused by `verify`): special tokens are always skipped in the text; a custom logit
+    # processor's parameters (no processor runs); a stream's chunk interval (the server sends
+    # what each step made); structural tags (not implemented).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    custom_params: dict | None = None
+    stream_interval: int | None = None
+    structural_tag: str | None = None
+    # SGLang's name for `seed`.
+    sampling_seed: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        """Builds params from a request's JSON object; unknown keys are an error, not ignored."""
+        """Builds params from a request's JSON object; unknown keys are an error, not ignored
+        (SGLang's own SamplingParams refuses them too), and null means the default."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        return cls(**d)
+        given = {k: v for k, v in d.items() if v is not None}
+        if "sampling_seed" in given:
+            if given.setdefault("seed", given["sampling_seed"]) != given["sampling_seed"]:
+                raise ValueError("seed and sampling_seed differ: give one")
+        return cls(**given)
 
     @property
     def is_greedy(self) -> bool:
@@ -157,6 +175,23 @@ class SamplingParams:
                 _fail(kind, getattr(self, kind), "must be a non-empty string")
         self._verify_stop_regex()
         _check_int("n", self.n, low=1)
+        self._verify_neutral_fields()
+
+    def _verify_neutral_fields(self) -> None:
+        """SGLang's fields this engine accepts only at the values that change nothing."""
+        for name in ("no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be a bool")
+        if not self.skip_special_tokens:
+            _fail("skip_special_tokens", False, "is not implemented (special tokens are always "
+                                                "left out of the text)")
+        if self.structural_tag is not None:
+            _fail("structural_tag", self.structural_tag, "is not implemented (use json_schema, "
+                                                         "regex or ebnf)")
+        if self.stream_interval is not None:
+            _check_int("stream_interval", self.stream_interval, low=1)
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            _fail("custom_params", self.custom_params, "must be an object")
 
     def _verify_logit_bias(self, vocab_size: int) -> None:
         bias = self.logit_bias

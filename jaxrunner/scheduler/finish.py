@@ -74,7 +74,7 @@ class FinishRules:
         if not any(s in tail for s in req.sampling_params.stop):
             return False
         text = self.decode_text(req.output_ids)
-        return stop_at_first(req, text, [(text.find(s), s) for s in req.sampling_params.stop
+        return stop_at_first(req, text, [(text.find(s), s, s) for s in req.sampling_params.stop
                                          if s in text])
 
 
@@ -93,24 +93,29 @@ def _compiled_stop_regex(pattern: str) -> tuple[re.Pattern, int | None]:
 
 def match_stop_regex(req: Req, decode_text: Callable[[list[int]], str]) -> bool:
     """Ends `req` when its output's text has a match of one of its `stop_regex` patterns
-    (checked after every token, so the first match); the text is cut before the match."""
-    patterns = [_compiled_stop_regex(p) for p in req.sampling_params.stop_regex]
-    widths = [w for _, w in patterns]
+    (checked after every token, so the first match); the text is cut before the match, and
+    `matched` is the pattern (SGLang's)."""
+    patterns = [(_compiled_stop_regex(p), p) for p in req.sampling_params.stop_regex]
+    widths = [w for (_, w), _ in patterns]
     window = (UNBOUNDED_STOP_REGEX_TOKENS if None in widths else max(widths) + 2)
     tail = decode_text(req.output_ids[-window:])
-    if not any(p.search(tail) for p, _ in patterns):
+    if not any(p.search(tail) for (p, _), _ in patterns):
         return False
     text = decode_text(req.output_ids)
-    return stop_at_first(req, text, [(m.start(), m.group(0)) for p, _ in patterns
+    return stop_at_first(req, text, [(m.start(), m.group(0), pattern)
+                                     for (p, _), pattern in patterns
                                      if (m := p.search(text)) is not None])
 
 
-def stop_at_first(req: Req, text: str, hits: list[tuple[int, str]]) -> bool:
-    """Ends `req` at the earliest of `hits` [(position in `text`, matched text)], its text cut
-    before it; False when there are none."""
+def stop_at_first(req: Req, text: str, hits: list[tuple[int, str, str]]) -> bool:
+    """Ends `req` at the earliest of `hits` [(position in `text`, matched text, what
+    `matched` reports)], its text cut before the match (after it with `no_stop_trim`); False
+    when there are none."""
     if not hits:
         return False
-    cut, matched = min(hits)
+    cut, matched_text, reported = min(hits)
+    if req.sampling_params.no_stop_trim:
+        cut += len(matched_text)
     req.stopped_text = text[:cut]
-    req.finished_reason = {"type": "stop", "matched": matched}
+    req.finished_reason = {"type": "stop", "matched": reported}
     return True

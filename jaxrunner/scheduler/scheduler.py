@@ -42,11 +42,12 @@ from jaxrunner.scheduler.policy import (
     order_waiting,
 )
 from jaxrunner.scheduler.decode import DecodeStrategy, PlainDecode, pages_for
+from jaxrunner.scheduler.faults import fail_requests
 from jaxrunner.scheduler.finish import FinishRules
 from jaxrunner.scheduler.grammar_mask import is_constrained, launch_with_vocab_mask
 from jaxrunner.scheduler.kv_bookkeeping import KvBookkeeping
 from jaxrunner.scheduler.lora_slots import acquire_lora_slot, release_lora_slot
-from jaxrunner.scheduler.request_output import record_input_logprobs
+from jaxrunner.scheduler.request_output import StepOutputs, record_input_logprobs
 from jaxrunner.split_prefill.schedule import SplitPrefillSchedule
 
 
@@ -126,7 +127,7 @@ class Scheduler:
         return self.kv.memory_stats() | {"num_requests_waiting": len(self.waiting)}
 
     def add_request(self, req: Req) -> None:
-        if req.max_new_tokens == 0 and not req.wants_input_logprobs:
+        if req.max_new_tokens == 0 and not req.needs_prompt_pass:
             req.finished_reason = {"type": "length", "length": 0}
             return
         self.waiting.append(req)
@@ -165,12 +166,13 @@ class Scheduler:
             # The decode strategy's round, read back at once.
             self.forward_ct += 1
             updated, self._flushed = self._flushed, []
-            return updated + self.decode.run_round(batch, self.worker, self.finish, self.kv,
-                                                   self._retire)
-        if batch is not None and batch.forward_mode.is_split_prefill():
-            launched = self._launch_split_range(batch)  # None until the last range
-        else:
-            launched = self._launch(batch) if batch is not None else None
+            prefixes = [r.num_computed_tokens for r in batch.reqs]
+            try:
+                return updated + self.decode.run_round(batch, self.worker, self.finish,
+                                                       self.kv, self._retire)
+            except Exception as e:  # the round's requests fail; the others go on
+                return updated + fail_requests(self, batch.reqs, prefixes, e)
+        launched = self._launch_contained(batch) if batch is not None else None
         updated, self._flushed = self._flushed, []
         if self.overlap:
             if self.in_flight is not None:
@@ -258,11 +260,8 @@ class Scheduler:
             prompt = self._shared_prompt_key(req)
             if prompt is not None and prompt in prompts:
                 break
-            # Prompt logprobs are computed, not read from the cache, from their first position.
-            limit = req.cacheable(req.seq_len - 1)
-            if req.wants_input_logprobs:
-                limit = min(limit, max(req.logprob_start_len - 1, 0))
-            match = self.tree_cache.match_prefix(req.cache_key(req.fill_ids), max_tokens=limit)
+            match = self.tree_cache.match_prefix(req.cache_key(req.fill_ids),
+                                                 max_tokens=req.cacheable_prefix_limit)
             remaining = req.seq_len - match.num_tokens
             # A prompt longer than what is left of the budget is chunked to fill it (as SGLang
             # does): the step then runs in its bucket without padding tokens.
@@ -364,6 +363,20 @@ class Scheduler:
                                               self.allocator, self.page_size, prev_rows,
                                               kv_lens))
 
+    def _launch_contained(self, batch: ScheduleBatch) -> LaunchedBatch | None:
+        """Launches `batch` (a split prefill's next range: None until its last); a launch that
+        raises fails the batch's requests (scheduler/faults.py) and launches nothing."""
+        prefixes = [r.num_computed_tokens for r in batch.reqs]
+        try:
+            if batch.forward_mode.is_split_prefill():
+                return self._launch_split_range(batch)
+            return self._launch(batch)
+        except Exception as e:
+            if self.split_prefill.in_progress:
+                self.split_prefill.retract()  # the split ends; its requests fail below
+            self._flushed += fail_requests(self, batch.reqs, prefixes, e)
+            return None
+
     def _launch(self, batch: ScheduleBatch) -> LaunchedBatch:
         if not is_constrained(batch):
             return self.record_launch(batch, self._run_batch(batch))
@@ -420,18 +433,28 @@ class Scheduler:
 
     def process_batch_result(self, launched: LaunchedBatch) -> list[Req]:
         """Reads a launched step's tokens back and advances its requests: new outputs, finished
-        requests (their KV released); returns the requests that got a token."""
+        requests (their KV released); returns the requests that got a token. A read-back that
+        raises fails the step's requests (scheduler/faults.py), which are returned too."""
+        try:
+            return self._read_back(launched)
+        except Exception as e:
+            return fail_requests(self, launched.batch.reqs, launched.prefixes, e)
+
+    def _read_back(self, launched: LaunchedBatch) -> list[Req]:
         result, reqs = launched.result, launched.batch.reqs
         tokens, logprobs = result.copy_to_host()
         top = (result.top_logprobs_to_host()
                if any(r.return_logprob and r.top_logprobs_num for r in reqs) else None)
         inputs = (result.input_logprobs_to_host()
                   if any(r.wants_input_logprobs for r in reqs) else None)
+        step_outputs = StepOutputs.read(result, reqs)
         updated, starts = [], np.cumsum([0] + launched.batch.extend_lens)
         for i, req in enumerate(reqs):
             if inputs is not None and req.wants_input_logprobs and not req.finished:
                 record_input_logprobs(req, inputs, int(starts[i]), launched.prefixes[i],
                                       launched.batch.extend_lens[i])
+            step_outputs.record(req, i, int(starts[i]), launched.prefixes[i],
+                                launched.batch.extend_lens[i])
             if not launched.samples[i]:
                 continue
             req.pending -= 1

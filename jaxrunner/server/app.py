@@ -9,7 +9,6 @@ uvicorn.run(app, host="127.0.0.1", port=30000)
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 
@@ -20,14 +19,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxrunner.engine.base import ServingEngine
-from jaxrunner.server import (chat_api, lifecycle_api, native_api, openai_api, reasoning,
-                              responses_api, tool_calls)
+from jaxrunner.server import (chat_api, gateway_api, lifecycle_api, native_api, openai_api,
+                              pooling_api, reasoning, responses_api, tool_calls)
+from jaxrunner.server.chat_protocol import ChatCompletionRequest
 from jaxrunner.server.chat_templates import load_chat_template
-from jaxrunner.server.engine_loop import EngineError, EngineLoop
+from jaxrunner.server.engine_loop import EngineLoop, QueueFullError
+from jaxrunner.server.errors import APIError, payload_too_large
 from jaxrunner.server.metrics import ServerMetrics
-from jaxrunner.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       GenerateRequest, ResponsesRequest)
+from jaxrunner.server.native_protocol import GenerateRequest
+from jaxrunner.server.protocol import CompletionRequest
+from jaxrunner.server.request_fields import FieldPolicy
+from jaxrunner.server.responses_protocol import ResponsesRequest
 from jaxrunner.server.state import ServerState
+from jaxrunner.server.tool_calls import infer_tool_call_parser
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -38,25 +42,34 @@ MAX_PAYLOAD_SIZE = 32 * 2**20
 def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
               api_key: str | None = None, chat_template: str | None = None,
               max_payload_size: int = MAX_PAYLOAD_SIZE, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              strict_request_fields: bool = False) -> FastAPI:
     """An app serving `engine` (an `Engine`, or a multi-host run's `LockstepEngine`: the
     contract of jaxrunner/engine/base.py); the engine loop starts and stops with the app's
     lifespan.
     `api_key`: every route but /health needs `Authorization: Bearer <api_key>`.
     `chat_template`: a template file or built-in name (jaxrunner/server/chat_templates.py).
     `max_payload_size`: larger request bodies get 413. The parsers: jaxrunner/server/
-    tool_calls.py and reasoning.py."""
+    tool_calls.py and reasoning.py; without a tool-call parser one is inferred from the model.
+    `strict_request_fields`: a field neither OpenAI's nor SGLang's API defines is a 400 rather
+    than a warning (jaxrunner/server/request_fields.py)."""
     for name, value, known in (("tool_call_parser", tool_call_parser, tool_calls.PARSERS),
                                ("reasoning_parser", reasoning_parser, reasoning.PARSERS)):
         if value is not None and value not in known:
             raise ValueError(f"{name}={value!r} is not one of {', '.join(known)}")
-    engine_loop = EngineLoop(engine)
+    engine_loop = EngineLoop(engine, max_queued_requests=engine.args.max_queued_requests,
+                             request_timeout=engine.args.request_timeout)
     metrics = ServerMetrics(lambda: engine_loop.stats)
     engine_loop.metrics = metrics
+    template = load_chat_template(chat_template)
+    if tool_call_parser is None and engine.tokenizer is not None:
+        tool_call_parser = infer_tool_call_parser(template or engine.tokenizer.chat_template,
+                                                  engine.model_config.architecture)
     state = ServerState(engine, engine_loop, metrics,
                         served_model_name or engine.args.model_path,
-                        chat_template=load_chat_template(chat_template),
-                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                        chat_template=template, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser,
+                        fields=FieldPolicy(strict_request_fields))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -76,18 +89,20 @@ def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
     async def parse(request: Request, model):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_payload_size:
-            raise _too_large(int(length), max_payload_size)
+            raise payload_too_large(int(length), max_payload_size)
         raw = b""
         async for part in request.stream():
             raw += part
             if len(raw) > max_payload_size:
-                raise _too_large(len(raw), max_payload_size)
+                raise payload_too_large(len(raw), max_payload_size)
         try:
-            return model.model_validate_json(raw)
+            body = model.model_validate_json(raw or b"{}" if model.allows_empty() else raw)
         except ValidationError as e:
             if any(err["type"] == "json_invalid" for err in e.errors()):
                 raise APIError(f"request body is not valid JSON: {e.errors()[0]['msg']}") from None
             raise APIError.from_validation(e) from None
+        state.fields.check(request.url.path, body)
+        return body
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -133,24 +148,11 @@ def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
             raise APIError(engine_loop.error or "the engine loop is not running", 503)
         return Response(status_code=200)
 
-    @app.get("/get_server_info")
-    async def server_info():
-        return {"version": VERSION, "served_model_name": state.served_model_name,
-                "context_length": state.context_len,
-                "vocab_size": engine.model_config.vocab_size,
-                "weight_version": engine.weight_version,
-                "engine_args": dataclasses.asdict(engine.args),
-                "engine_alive": engine_loop.alive, **engine_loop.stats}
-
+    gateway_api.add_routes(app, state, parse, VERSION)
+    pooling_api.add_routes(app, state, parse)
     lifecycle_api.add_routes(app, state, parse)
     # The expert distribution recorder (MoE models; SGLang's routes): GET or POST.
-    async def on_engine(fn):
-        try:
-            return await engine_loop.call(fn, when_idle=False)
-        except ValueError as e:
-            raise APIError(str(e)) from None
-        except EngineError as e:
-            raise APIError(str(e), 503) from None
+    on_engine = state.call_now
 
     @app.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
     async def start_expert_distribution_record():
@@ -178,6 +180,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: Request, e: QueueFullError):
+        # Overload: the client may come back (SGLang answers a full queue with 503 too).
+        return JSONResponse(APIError(str(e), 503).body(), status_code=503,
+                            headers={"Retry-After": str(QueueFullError.RETRY_AFTER_S)})
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         return JSONResponse(APIError(str(e.detail), e.status_code).body(),
@@ -188,11 +196,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error in %s", request.url.path)
         return JSONResponse(APIError(f"internal error: {type(e).__name__}: {e}", 500).body(),
                             status_code=500)
-
-
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(f"the request body has {size} bytes, more than the server's limit of "
-                    f"{limit} (--max-payload-size)", 413)
 
 
 class _APIKey:

@@ -3,24 +3,31 @@
 
 The output of one choice goes through two splitters, each incremental so a stream carries what an
 unstreamed answer does: the reasoning parser (`--reasoning-parser`, jaxrunner/server/reasoning.py)
-takes the `<think>` block off the front, then the tool-call parser (`--tool-call-parser`,
-jaxrunner/server/tool_calls.py) takes tool calls out of the rest. With `tool_choice="required"`
-or a named function a grammar forces the whole output to be the call(s) as JSON, read back
-without a parser.
+takes the `<think>` block off the front (unless `separate_reasoning` is false; held back until
+it ends when `stream_reasoning` is false), then the tool-call parser (`--tool-call-parser`, or
+the one the model implies: jaxrunner/server/tool_calls.py) takes tool calls out of the rest.
+With `tool_choice="required"` or a named function a grammar forces the whole output to be the
+call(s) as JSON, read back without a parser. Every message and delta carries
+`reasoning_content` (null without reasoning) and the usage `reasoning_tokens`, as SGLang's do.
 """
 
 import json
+import logging
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from jaxrunner.server.detokenizer import IncrementalDetokenizer
 from jaxrunner.server.engine_loop import EngineError
+from jaxrunner.server.chat_protocol import ChatCompletionRequest
+from jaxrunner.server.errors import APIError
 from jaxrunner.server.openai_api import Job, chat_logprobs
-from jaxrunner.server.protocol import APIError, ChatCompletionRequest
 from jaxrunner.server.reasoning import ReasoningStream, reasoning_token_count
 from jaxrunner.server.state import SSE_DONE, ServerState, collect, finish_reason, matched_stop, sse
-from jaxrunner.server.tool_calls import ToolCallStream, forced_calls, forced_schema
+from jaxrunner.server.tool_calls import (ToolCallStream, forced_calls, forced_schema,
+                                         renders_tools, tools_system_message)
+
+log = logging.getLogger(__name__)
 
 
 def template_messages(messages) -> list[dict]:
@@ -33,9 +40,10 @@ def template_messages(messages) -> list[dict]:
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
-        if m.tool_calls:
+        legacy = [] if m.function_call is None else [m.function_call]
+        if m.tool_calls or legacy:
             calls = []
-            for c in m.tool_calls:
+            for c in list(m.tool_calls or []) + [_LegacyCall(f) for f in legacy]:
                 try:
                     args = json.loads(c.function.arguments)
                 except ValueError:
@@ -48,14 +56,23 @@ def template_messages(messages) -> list[dict]:
     return out
 
 
+class _LegacyCall:
+    """A legacy `function_call` of an assistant message, as a tool call."""
+
+    def __init__(self, function):
+        self.id, self.function = None, function
+
+
 class ToolPlan:
-    """How a request's tools shape its output: `schema` (a forcing grammar) or `parser`."""
+    """How a request's tools shape its output: `forced` (a forcing grammar) or `parser`, and
+    whether the tools go into a system message (`render`: the template does not write them)."""
 
     def __init__(self, state: ServerState, tools: list[dict] | None, choice):
         self.tools = tools or []
         self.choice = "auto" if choice is None and self.tools else (choice or "none")
         self.forced = None
         self.parser = None
+        self.render = False
         if not self.tools or self.choice == "none":
             self.choice = "none"
             return
@@ -64,47 +81,70 @@ class ToolPlan:
         except ValueError as e:
             raise APIError(str(e), 400, "tool_choice") from None
         if self.forced is None:
-            if state.tool_call_parser is None:
-                raise APIError("tools with tool_choice='auto' need a tool-call parser: start "
-                               "the server with --tool-call-parser (llama3, qwen25, hermes), "
-                               "or send tool_choice='required' or a named function", 400,
-                               "tool_choice")
             self.parser = state.tool_call_parser
+            if self.parser is None:
+                log.warning("tools with tool_choice='auto' and no tool-call parser for this "
+                            "model (--tool-call-parser): the tools are described in the prompt "
+                            "and the output is returned as content")
+        template = state.chat_template or state.tokenizer.chat_template
+        self.render = not renders_tools(template) or self.parser is None
 
     def template_tools(self) -> list[dict] | None:
         if self.choice == "none":
             return None
         return [{"type": "function", "function": t} for t in self.tools]
 
+    def apply(self, messages: list[dict]) -> list[dict]:
+        """The messages with the tools described in a system message, where the template
+        does not write them."""
+        if not self.render or self.choice == "none":
+            return messages
+        text = tools_system_message(self.tools, self.parser)
+        if messages and messages[0]["role"] == "system":
+            first = dict(messages[0], content=messages[0]["content"] + "\n\n" + text)
+            return [first] + messages[1:]
+        return [{"role": "system", "content": text}] + messages
+
 
 def tool_plan(state: ServerState, body: ChatCompletionRequest) -> ToolPlan:
-    choice = body.tool_choice
-    if choice is not None and not isinstance(choice, str):
-        choice = {"name": choice.function.name}
-    tools = None if body.tools is None else [t.function.model_dump(exclude_none=True)
-                                             for t in body.tools]
-    return ToolPlan(state, tools, choice)
+    return ToolPlan(state, body.all_tools() or None, body.choice())
 
 
 class ChoiceOutput:
-    """The splitters of one choice's text: reasoning, then tool calls."""
+    """The splitters of one choice's text: reasoning, then tool calls. `separate_reasoning`
+    False leaves the reasoning in the content; `stream_reasoning` False holds it back until
+    its block ends."""
 
-    def __init__(self, state: ServerState, plan: ToolPlan):
+    def __init__(self, state: ServerState, plan: ToolPlan, separate_reasoning: bool = True,
+                 stream_reasoning: bool = True, max_calls: int | None = None):
         self.reasoning = (ReasoningStream(state.reasoning_parser)
-                          if state.reasoning_parser else None)
+                          if state.reasoning_parser and separate_reasoning else None)
         self.tools = ToolCallStream(plan.parser) if plan.parser else None
         self.plan, self.state = plan, state
+        self.stream_reasoning = stream_reasoning
+        self.held_reasoning = ""
+        self.max_calls = max_calls
         self.forced_text = ""
         self.calls = []
+
+    def _split_reasoning(self, text: str, final: bool) -> tuple[str, str]:
+        reasoning, content = self.reasoning.feed(text)
+        if final:
+            r, c = self.reasoning.finish()
+            reasoning, content = reasoning + r, content + c
+        if self.stream_reasoning:
+            return reasoning, content
+        self.held_reasoning += reasoning
+        if not (final or self.reasoning.done):
+            return "", content
+        reasoning, self.held_reasoning = self.held_reasoning, ""
+        return reasoning, content
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list]:
         """(reasoning, content, new calls) of the next text; `final` flushes."""
         reasoning, content = "", text
         if self.reasoning is not None:
-            reasoning, content = self.reasoning.feed(text)
-            if final:
-                r, c = self.reasoning.finish()
-                reasoning, content = reasoning + r, content + c
+            reasoning, content = self._split_reasoning(text, final)
         if self.plan.forced is not None:
             self.forced_text += content
             if not final:
@@ -118,6 +158,8 @@ class ChoiceOutput:
             if final:
                 c, more = self.tools.finish()
                 content, calls = content + c, calls + more
+        if self.max_calls is not None:  # the Responses API's max_tool_calls
+            calls = calls[:max(0, self.max_calls - len(self.calls))]
         self.calls += calls
         return reasoning, content, calls
 
@@ -135,22 +177,11 @@ class ChoiceOutput:
 
 async def start_chat(state: ServerState, body: ChatCompletionRequest):
     """Templates, validates and submits a chat request: -> (job, group, tool plan)."""
+    state.need_generation()
     state.check_model(body.model)
     state.need_tokenizer()
-    if state.chat_template is None and state.tokenizer.chat_template is None:
-        raise APIError("this model's tokenizer has no chat template; start the server with "
-                       "--chat-template, or use /v1/completions", 400, "messages")
     plan = tool_plan(state, body)
-    try:
-        ids = await state.encode_chat(
-            template_messages(body.messages), tools=plan.template_tools(),
-            continue_final_message=body.continue_final_message,
-            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            **(body.chat_template_kwargs or {}))
-    except APIError:
-        raise
-    except Exception as e:  # a template may raise on messages it does not accept
-        raise APIError(f"the chat template rejected the messages: {e}", 400, "messages") from None
+    ids = body.input_ids or await _template(state, body, plan)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise APIError("give max_tokens or max_completion_tokens, not both", 400, "max_tokens")
     max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
@@ -164,7 +195,30 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest):
     job = Job(state, body, [ids], max_tokens, None, "messages", return_logprob=body.logprobs,
               top_logprobs=body.top_logprobs or 0, extra=extra)
     await job.prepare()
-    return job, await state.submit(job.specs), plan
+    return job, await job.submit(), plan
+
+
+async def _template(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan
+                    ) -> list[int]:
+    """The prompt's token ids: the messages through the chat template."""
+    if state.chat_template is None and state.tokenizer.chat_template is None:
+        raise APIError("this model's tokenizer has no chat template; start the server with "
+                       "--chat-template, or use /v1/completions", 400, "messages")
+    try:
+        return await state.encode_chat(
+            plan.apply(template_messages(body.messages)), tools=plan.template_tools(),
+            continue_final_message=body.continue_final_message,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            **body.template_kwargs())
+    except APIError:
+        raise
+    except Exception as e:  # a template may raise on messages it does not accept
+        raise APIError(f"the chat template rejected the messages: {e}", 400, "messages") from None
+
+
+def choice_output(state: ServerState, plan: ToolPlan, body: ChatCompletionRequest
+                  ) -> ChoiceOutput:
+    return ChoiceOutput(state, plan, body.separate_reasoning, body.stream_reasoning)
 
 
 async def chat_completions(state: ServerState, request: Request, body: ChatCompletionRequest):
@@ -176,21 +230,24 @@ async def chat_completions(state: ServerState, request: Request, body: ChatCompl
         results = await collect(group)
     choices, reasoning_tokens = [], 0
     for i, r in enumerate(results):
-        out = ChoiceOutput(state, plan)
+        out = choice_output(state, plan, body)
         reasoning, content, calls = out.feed(r.text(state.tokenizer), final=True)
-        message = {"role": "assistant", "content": content if content or not calls else None}
+        message = {"role": "assistant", "content": content if content or not calls else None,
+                   "reasoning_content": reasoning or None}
         if out.reasoning is not None:
-            message["reasoning_content"] = reasoning or None
             reasoning_tokens += out.reasoning_tokens(r.token_ids)
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
-        choices.append({
+        choice = {
             "index": i, "message": message,
             "logprobs": chat_logprobs(state, r.token_ids, r.logprobs,
                                       r.top_logprobs or [[]] * len(r.token_ids),
                                       body.top_logprobs or 0) if body.logprobs else None,
             "finish_reason": out.finish_reason(r.finished_reason),
-            "matched_stop": matched_stop(r.finished_reason)})
+            "matched_stop": matched_stop(r.finished_reason)}
+        if body.return_hidden_states:
+            choice["hidden_states"] = job.hidden_states(i)
+        choices.append(choice)
     usage = job.usage(sum(len(r.token_ids) for r in results), [r.cached_tokens for r in results],
                       reasoning_tokens if state.reasoning_parser else None)
     return JSONResponse(dict(job.header("chat.completion"), choices=choices, usage=usage))
@@ -199,7 +256,7 @@ async def chat_completions(state: ServerState, request: Request, body: ChatCompl
 async def _chat_stream(state, request, job: Job, group, plan: ToolPlan):
     body = job.body
     detoks = [IncrementalDetokenizer(state.tokenizer, job.stops) for _ in job.specs]
-    outputs = [ChoiceOutput(state, plan) for _ in job.specs]
+    outputs = [choice_output(state, plan, body) for _ in job.specs]
     completion_tokens = 0
     cached = [0] * len(job.specs)
 
@@ -217,7 +274,7 @@ async def _chat_stream(state, request, job: Job, group, plan: ToolPlan):
     try:
         async with state.running(request, group):
             for i in range(len(job.specs)):
-                yield chunk(i, {"role": "assistant", "content": ""})
+                yield chunk(i, {"role": "assistant", "content": "", "reasoning_content": None})
             async for d in group.deltas():
                 completion_tokens += len(d.token_ids)
                 out = outputs[d.index]
@@ -229,15 +286,19 @@ async def _chat_stream(state, request, job: Job, group, plan: ToolPlan):
                 calls_before = len(out.calls)
                 reasoning, content, calls = out.feed(text, final)
                 delta = {}
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
                 if content:
                     delta["content"] = content
                 if calls:
                     delta["tool_calls"] = [c.openai(calls_before + k)
                                            for k, c in enumerate(calls)]
-                if not delta and not final and not (body.logprobs and d.token_ids):
+                if final and body.return_hidden_states:
+                    delta["hidden_states"] = job.hidden_states(d.index)
+                if not delta and not reasoning and not final and not (body.logprobs
+                                                                      and d.token_ids):
                     continue
+                delta["reasoning_content"] = reasoning or None
+                if not content and not reasoning and not calls:
+                    delta["content"] = ""  # every chunk carries text, as SGLang's do
                 logprobs = chat_logprobs(state, d.token_ids, d.logprobs,
                                          d.top_logprobs or [[]] * len(d.token_ids),
                                          body.top_logprobs or 0) if body.logprobs else None

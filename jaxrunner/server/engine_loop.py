@@ -10,6 +10,17 @@ Engine calls that change its memory or weights (`call`, jaxrunner/engine/lifecyc
 this thread once every request in the engine has finished (or, when asked, been aborted); the
 requests in flight keep streaming meanwhile, and requests that arrive meanwhile wait and are
 admitted right after the call.
+
+Faults and overload:
+- a request whose model step failed (jaxrunner/scheduler/faults.py) reaches its group as a
+  `RequestFailed` (the server's 500, or an error event in a stream) naming the cause; the
+  engine serves on. If the loop itself dies (an error the engine does not contain), every
+  waiting group gets an `EngineError`, `alive` turns False at once (/health: 503) and the
+  server exits (jaxrunner/cli.py);
+- `max_queued_requests` (SGLang's name): a group that would make more requests wait for
+  admission than that is refused with `QueueFullError` (503 with Retry-After);
+- `request_timeout`: a request still unfinished that many seconds after it arrived is aborted
+  (finish reason `abort`, naming the timeout), waiting or running.
 """
 
 import asyncio
@@ -22,6 +33,7 @@ import traceback
 
 from jaxrunner.engine.base import EngineDeadError, ServingEngine
 from jaxrunner.engine.lifecycle import EngineNotReadyError
+from jaxrunner.scheduler.faults import is_step_failure
 from jaxrunner.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -68,6 +80,23 @@ class EngineError(RuntimeError):
     """The engine failed while running a step; the requests in it cannot finish."""
 
 
+class RequestFailed(EngineError):
+    """A request of the group failed in the engine (its model step raised); the engine serves
+    on."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests would wait for admission than `max_queued_requests`: try again later."""
+
+    # Seconds a client is told to wait (the Retry-After header): about what the engine takes
+    # to admit a queue's worth of short requests.
+    RETRY_AFTER_S = 1
+
+    def __init__(self, waiting: int, limit: int):
+        super().__init__(f"the server's queue is full: {waiting} requests wait for admission, "
+                         f"max_queued_requests is {limit}; retry after {self.RETRY_AFTER_S} s")
+
+
 class RequestGroup:
     """The engine requests of one HTTP request, seen from the asyncio side."""
 
@@ -80,6 +109,10 @@ class RequestGroup:
         self.unfinished = len(specs)
         # Engine-thread side: the Reqs, once added.
         self.reqs: list = []
+
+    def finished_in_engine(self) -> bool:
+        """Engine-thread side: every request of the group has finished."""
+        return all(r.finished for r in self.reqs)
 
     async def deltas(self):
         """Yields `Delta`s until every request of the group has finished."""
@@ -120,11 +153,16 @@ class _Call:
 class EngineLoop:
     """Owns the engine on a thread of its own. `start(loop)`, `submit`, `abort`, `stop`."""
 
-    def __init__(self, engine: ServingEngine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: ServingEngine, metrics: ServerMetrics | None = None, *,
+                 max_queued_requests: int | None = None, request_timeout: float | None = None):
+        """`max_queued_requests`, `request_timeout`: the EngineArgs fields (None: no limit)."""
         self.engine = engine
         self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout = request_timeout
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracks: dict = {}    # Req -> _Track
+        self._live: dict = {}      # RequestGroup -> None, admitted and unfinished, by arrival
         self._calls: list[_Call] = []
         self._held: list[RequestGroup] = []  # arrived while a call waits: admitted after it
         self._thread: threading.Thread | None = None
@@ -149,6 +187,10 @@ class EngineLoop:
         problem) if the engine refuses any of them."""
         if not self.alive:
             raise EngineError(self.error or "the engine loop is not running")
+        # A fast refusal from the last published count; the engine thread decides for good.
+        limit, waiting = self.max_queued_requests, self.stats["num_requests_waiting"]
+        if limit is not None and waiting + len(specs) > limit:
+            raise QueueFullError(waiting, limit)
         group = RequestGroup(specs, asyncio.get_running_loop())
         self._inbox.put(("add", group))
         try:
@@ -200,6 +242,7 @@ class EngineLoop:
                     self._run_calls(out)
                 if self.engine.has_unfinished_requests:
                     self._deliver(self.engine.step(), out)
+                self._abort_timed_out(out)
                 self._publish_stats()
                 self._send(out)
         except Exception:  # a step failed, or a call left the engine dead
@@ -260,6 +303,12 @@ class EngineLoop:
         self._calls, self._held = [], []
 
     def _add(self, group: RequestGroup, out: list) -> None:
+        limit = self.max_queued_requests
+        if limit is not None:
+            waiting = self.engine.memory_stats()["num_requests_waiting"]
+            if waiting + len(group.specs) > limit:
+                out.append((group.accepted.set_exception, QueueFullError(waiting, limit)))
+                return
         reqs = []
         try:
             for spec in group.specs:
@@ -277,6 +326,7 @@ class EngineLoop:
             out.append((group.accepted.set_exception, error))
             return
         group.reqs = reqs
+        self._live[group] = None
         for i, req in enumerate(reqs):
             self._tracks[req] = _Track(group, i)
         out.append((group.accepted.set_result, None))
@@ -296,7 +346,14 @@ class EngineLoop:
             track.last_token_time = now
             if req.finished:
                 del self._tracks[req]
-            out.append((track.group.queue.put_nowait, delta))
+                if track.group.finished_in_engine():
+                    self._live.pop(track.group, None)
+            if is_step_failure(req.finished_reason):
+                # The whole HTTP request fails (500), naming the cause.
+                out.append((track.group.queue.put_nowait,
+                            RequestFailed(req.finished_reason["message"])))
+            else:
+                out.append((track.group.queue.put_nowait, delta))
 
     def _delta(self, req, track: _Track) -> Delta:
         """What `req` got since its previous delta; advances `track`."""
@@ -331,6 +388,22 @@ class EngineLoop:
                                           now - track.group.arrival, len(req.output_ids),
                                           req.spec_verify_ct)
 
+    def _abort_timed_out(self, out: list) -> None:
+        """Aborts the requests of the groups older than `request_timeout`, oldest first."""
+        if self.request_timeout is None:
+            return
+        deadline = time.perf_counter() - self.request_timeout
+        for group in list(self._live):
+            if group.arrival > deadline:
+                break  # the rest arrived later
+            self._live.pop(group)
+            unfinished = [r for r in group.reqs if not r.finished]
+            for req in unfinished:
+                self.engine.abort_request(req)
+                req.finished_reason = {"type": "abort", "message": (
+                    f"the request took longer than request_timeout={self.request_timeout} s")}
+            self._deliver(unfinished, out)
+
     def _abort_all(self, out: list) -> None:
         for req in list(self._tracks):
             self.engine.abort_request(req)
@@ -341,6 +414,7 @@ class EngineLoop:
         before the failure)."""
         out += [(t.group.queue.put_nowait, error) for t in self._tracks.values()]
         self._tracks.clear()
+        self._live.clear()
         self._fail_calls(error, out)
         self._send(out)
         # Submissions that raced with the failure must not wait for ever.

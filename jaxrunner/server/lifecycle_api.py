@@ -33,10 +33,11 @@ from safetensors.numpy import load as load_safetensors
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from jaxrunner.server.protocol import (APIError, GetWeightsByNameRequest,
-                                       LoadLoraAdapterRequest, MemoryOccupationRequest,
-                                       UnloadLoraAdapterRequest, UpdateWeightsFromDiskRequest,
-                                       UpdateWeightsFromTensorRequest)
+from jaxrunner.server.errors import APIError
+from jaxrunner.server.native_protocol import (GetWeightsByNameRequest, LoadLoraAdapterRequest,
+                                              MemoryOccupationRequest, UnloadLoraAdapterRequest,
+                                              UpdateWeightsFromDiskRequest,
+                                              UpdateWeightsFromTensorRequest)
 from jaxrunner.server.state import ServerState
 
 

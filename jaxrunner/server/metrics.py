@@ -9,8 +9,9 @@ PREFIX = "jaxrunner"
 # Seconds; fine at the bottom for inter-token latency, long at the top for TTFT under load.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
-          "/get_server_info", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
+          "/v1/embeddings", "/v1/models", "/health", "/get_server_info", "/metrics")
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ServerMetrics:
@@ -27,6 +28,12 @@ class ServerMetrics:
                                      "requests", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated",
                                          registry=r)
+        # Every labelled family has its samples from the start, so a gateway aggregating the
+        # replicas' metrics (sglang-router's /engine_metrics) reads the same names from all.
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+        for route in ROUTES:
+            self.http_requests.labels(route, "200")
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Between two tokens of a "

@@ -17,7 +17,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from jaxrunner.server.detokenizer import IncrementalDetokenizer, decode
 from jaxrunner.server.engine_loop import EngineError, RequestSpec
-from jaxrunner.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from jaxrunner.server.chat_protocol import ChatCompletionRequest
+from jaxrunner.server.errors import APIError
+from jaxrunner.server.protocol import CompletionRequest
 from jaxrunner.server.state import (SSE_DONE, ServerState, collect, finish_reason, matched_stop,
                                     sse)
 
@@ -41,8 +43,8 @@ class Job:
             budget, strict = state.max_new_tokens(max_tokens, default_max)
         params = body.sampling_params(budget)
         params.update(extra or {})
-        options = {"strict_budget": strict}
-        lora = state.check_model(body.model)
+        options = {"strict_budget": strict, **body.request_options()}
+        lora = body.lora_path or state.check_model(body.model)
         if lora is not None:
             options["lora_path"] = lora
         # Answers name the model asked for (an adapter's "base:adapter" too).
@@ -61,8 +63,8 @@ class Job:
         self.stops = params.get("stop") or []
         if isinstance(self.stops, str):
             self.stops = [self.stops]
-        self.id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-" \
-                  f"{uuid.uuid4().hex}"
+        kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+        self.id = body.rid or f"{kind}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     async def prepare(self) -> None:
@@ -82,7 +84,21 @@ class Job:
                 "cached_tokens": sum(cached_tokens[::self.body.n])}
         if reasoning_tokens is not None:
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        # SGLang's usage always carries it, and its clients read it.
+        usage["reasoning_tokens"] = reasoning_tokens or 0
         return usage
+
+    async def submit(self):
+        """The engine requests submitted (under the client's `rid`, for `/abort_request`)."""
+        return await self.state.submit(self.specs, [self.body.rid])
+
+    def hidden_states(self, i: int) -> list[float] | None:
+        """Choice i's last hidden state (`return_hidden_states`), else None (SGLang's: the
+        state of the last token the model read)."""
+        if not self.body.return_hidden_states:
+            return None
+        states = self.specs[i].req.hidden_states
+        return states[-1] if len(states) > 1 else []
 
     def header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -147,6 +163,7 @@ def _tops(delta_tops, n: int) -> list:
 # ---- completions ----
 
 async def completions(state: ServerState, request: Request, body: CompletionRequest):
+    state.need_generation()
     state.check_model(body.model)
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -161,15 +178,12 @@ async def completions(state: ServerState, request: Request, body: CompletionRequ
         prompts = [prompt] if isinstance(prompt[0], int) else prompt
         state.need_tokenizer()
     want = body.logprobs
-    if body.echo and body.stream and want is not None:
-        raise APIError("unsupported request field(s): echo with logprobs and stream (the "
-                       "prompt's logprobs come only when the request finishes)", 400, "echo")
     job = Job(state, body, prompts, body.max_tokens, 16, "prompt",
               return_logprob=want is not None, top_logprobs=want or 0,
               echo_logprobs=body.echo and want is not None, allow_zero_tokens=body.echo,
               extra=body.structured_output())
     await job.prepare()
-    group = await state.submit(job.specs)
+    group = await job.submit()
     if body.stream:
         return StreamingResponse(_completion_stream(state, request, job, group),
                                  media_type="text/event-stream")
@@ -190,9 +204,12 @@ async def completions(state: ServerState, request: Request, body: CompletionRequ
                 lps = list(r.input_logprobs) + lps
                 tops = list(r.input_top_logprobs) + tops
             logprobs = completion_logprobs(state, ids, lps, tops, want, 0)
-        choices.append({"index": i, "text": text, "logprobs": logprobs,
-                        "finish_reason": finish_reason(r.finished_reason),
-                        "matched_stop": matched_stop(r.finished_reason)})
+        choice = {"index": i, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason(r.finished_reason),
+                  "matched_stop": matched_stop(r.finished_reason)}
+        if body.return_hidden_states:
+            choice["hidden_states"] = job.hidden_states(i)
+        choices.append(choice)
     usage = job.usage(sum(len(r.token_ids) for r in results), [r.cached_tokens for r in results])
     return JSONResponse(dict(job.header("text_completion"), choices=choices, usage=usage))
 
@@ -203,15 +220,27 @@ async def _completion_stream(state, request, job: Job, group):
     completion_tokens = 0
     cached = [0] * len(job.specs)
     want = job.body.logprobs
+    # With logprobs, a choice's echo waits for its prompt's logprobs (computed by its prefill).
+    echo_pending = [job.body.echo and want is not None] * len(job.specs)
     try:
         async with state.running(request, group):
-            if job.body.echo:
+            if job.body.echo and want is None:
                 for i, spec in enumerate(job.specs):
                     text = decode(state.tokenizer, spec.input_ids)
                     sent_chars[i] += len(text)
                     yield sse(dict(job.header("text_completion"), choices=[
                         {"index": i, "text": text, "logprobs": None, "finish_reason": None}]))
             async for d in group.deltas():
+                if echo_pending[d.index] and d.input_logprobs is not None:
+                    echo_pending[d.index] = False
+                    ids = job.specs[d.index].input_ids
+                    text = decode(state.tokenizer, ids)
+                    sent_chars[d.index] += len(text)
+                    logprobs = completion_logprobs(state, ids, d.input_logprobs,
+                                                   d.input_top_logprobs, want, 0)
+                    yield sse(dict(job.header("text_completion"), choices=[
+                        {"index": d.index, "text": text, "logprobs": logprobs,
+                         "finish_reason": None}]))
                 completion_tokens += len(d.token_ids)
                 text = detoks[d.index].add(d.token_ids)
                 if d.finished_reason is not None:
@@ -227,6 +256,8 @@ async def _completion_stream(state, request, job: Job, group):
                           "finish_reason": finish_reason(d.finished_reason)}
                 if d.finished_reason is not None:
                     choice["matched_stop"] = matched_stop(d.finished_reason)
+                    if job.body.return_hidden_states:
+                        choice["hidden_states"] = job.hidden_states(d.index)
                 chunk = dict(job.header("text_completion"), choices=[choice])
                 usage = job.stream_usage(completion_tokens)
                 if usage is not None:

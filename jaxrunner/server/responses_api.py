@@ -12,10 +12,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from jaxrunner.server.chat_api import ChoiceOutput, start_chat
+from jaxrunner.server.chat_protocol import ChatCompletionRequest, ChatMessage
 from jaxrunner.server.detokenizer import IncrementalDetokenizer
 from jaxrunner.server.engine_loop import EngineError
-from jaxrunner.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
-                                       ResponsesRequest)
+from jaxrunner.server.errors import APIError
+from jaxrunner.server.responses_protocol import ResponsesRequest
 from jaxrunner.server.state import ServerState, collect
 
 
@@ -63,16 +64,20 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
     return messages
 
 
+# Fields a Responses request passes to the chat request that runs it, as they are.
+_SHARED = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+           "frequency_penalty", "presence_penalty", "stop", "seed", "stream", "priority",
+           "cache_salt", "extra_key", "chat_template_kwargs", "parallel_tool_calls")
+
+
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that runs a Responses request."""
-    bad = body.unsupported()
-    if bad:
-        raise APIError("unsupported request field(s): " + "; ".join(bad), 400)
     fields = {"messages": [ChatMessage.model_validate(m, strict=False)
                            for m in chat_messages(body)],
-              "model": body.model, "max_tokens": body.max_output_tokens,
-              "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-              "seed": body.seed, "stream": body.stream}
+              "max_tokens": body.max_output_tokens,
+              **{name: getattr(body, name) for name in _SHARED}}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        fields["reasoning_effort"] = body.reasoning.effort
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type != "text":
         fields["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
@@ -136,8 +141,10 @@ class _Builder:
     @staticmethod
     def usage(job, completion_tokens: int, cached: int, reasoning_tokens: int) -> dict:
         prompt = sum(len(p) for p in job.prompts)
+        # OpenAI's names, and the chat names SGLang's clients read (prompt_tokens, ...).
         return {"input_tokens": prompt, "output_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens,
+                "total_tokens": prompt + completion_tokens, "prompt_tokens": prompt,
+                "completion_tokens": completion_tokens,
                 "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
@@ -151,7 +158,7 @@ async def responses(state: ServerState, request: Request, body: ResponsesRequest
                                  media_type="text/event-stream")
     async with state.running(request, group):
         (r,) = await collect(group)
-    out = ChoiceOutput(state, plan)
+    out = ChoiceOutput(state, plan, max_calls=body.max_tool_calls)
     reasoning, content, calls = out.feed(r.text(state.tokenizer), final=True)
     items = []
     if reasoning:
@@ -172,7 +179,7 @@ async def _stream(state, request, job, group, plan, builder: _Builder):
     events, the reasoning and function-call items, completed."""
     seq = iter(range(1 << 62))
     detok = IncrementalDetokenizer(state.tokenizer, job.stops)
-    out = ChoiceOutput(state, plan)
+    out = ChoiceOutput(state, plan, max_calls=builder.body.max_tool_calls)
     text, reasoning, calls, tokens = "", "", [], []
     yield _event("response.created", next(seq), response=builder.response("in_progress", []))
     yield _event("response.in_progress", next(seq), response=builder.response("in_progress", []))

@@ -15,7 +15,8 @@ from jaxrunner.engine.lifecycle import EngineNotReadyError
 from jaxrunner.server.detokenizer import decode, final_text
 from jaxrunner.server.engine_loop import Delta, EngineError, EngineLoop, RequestGroup, RequestSpec
 from jaxrunner.server.metrics import ServerMetrics
-from jaxrunner.server.protocol import APIError
+from jaxrunner.server.errors import APIError
+from jaxrunner.server.request_fields import FieldPolicy
 
 
 @dataclasses.dataclass
@@ -29,8 +30,13 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # A Jinja chat template that replaces the tokenizer's (--chat-template), or None.
     chat_template: str | None = None
-    tool_call_parser: str | None = None    # --tool-call-parser (jaxrunner/server/tool_calls.py)
+    # --tool-call-parser, or the one the model's template or architecture implies
+    # (jaxrunner/server/tool_calls.py); None: tools are rendered into the prompt.
+    tool_call_parser: str | None = None
     reasoning_parser: str | None = None    # --reasoning-parser (jaxrunner/server/reasoning.py)
+    fields: FieldPolicy = dataclasses.field(default_factory=FieldPolicy)
+    # The groups of the requests in flight by their client's `rid` (`/abort_request`).
+    groups_by_rid: dict = dataclasses.field(default_factory=dict)
 
     @property
     def tokenizer(self):
@@ -57,6 +63,17 @@ class ServerState:
     def lora_adapters(self) -> list[str]:
         """Names of the LoRA adapters loaded now (they change while serving)."""
         return list(self.engine.loaded_lora_adapters())
+
+    @property
+    def is_generation(self) -> bool:
+        """A generative model (else an embedding or classification model)."""
+        return self.engine.model_config.is_generation
+
+    def need_generation(self) -> None:
+        if not self.is_generation:
+            raise APIError(f"this server serves an embedding or classification model "
+                           f"({self.engine.model_config.architecture}): use /v1/embeddings, "
+                           f"/encode or /classify", 400)
 
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -115,13 +132,37 @@ class ServerState:
                     raise APIError(f"{prefix}{message}", 400, param) from None
         await asyncio.to_thread(run)
 
-    async def submit(self, specs: list[RequestSpec]) -> RequestGroup:
+    async def submit(self, specs: list[RequestSpec], rids=()) -> RequestGroup:
+        """Submits the engine requests of one HTTP request; `rids`: the client's request ids,
+        by which `/abort_request` finds the group until it finishes."""
         try:
-            return await self.engine_loop.submit(specs)
+            group = await self.engine_loop.submit(specs)
         except ValueError as e:
             raise APIError(str(e)) from None
         except EngineError as e:
             raise APIError(str(e), 503) from None
+        for rid in rids:
+            if rid:
+                self.groups_by_rid[rid] = group
+        return group
+
+    async def call_now(self, fn):
+        """Runs `fn(engine)` on the engine thread between two steps and returns its result; a
+        ValueError is a 400 naming it, a failed engine a 503."""
+        try:
+            return await self.engine_loop.call(fn, when_idle=False)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        except EngineError as e:
+            raise APIError(str(e), 503) from None
+
+    def abort_rid(self, rid: str) -> bool:
+        """Aborts the requests of the group a client's `rid` names; False if none is running."""
+        group = self.groups_by_rid.pop(rid, None)
+        if group is None:
+            return False
+        self.engine_loop.abort(group)
+        return True
 
     @contextlib.asynccontextmanager
     async def running(self, request: Request, group: RequestGroup):
@@ -138,6 +179,8 @@ class ServerState:
         finally:
             watcher.cancel()
             self.engine_loop.abort(group)
+            for rid in [r for r, g in self.groups_by_rid.items() if g is group]:
+                del self.groups_by_rid[rid]
 
     def token_text(self, token_id: int) -> str:
         return decode(self.tokenizer, [token_id]) if self.tokenizer is not None else ""

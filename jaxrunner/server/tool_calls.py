@@ -14,6 +14,12 @@ streamed response carries the same calls as an unstreamed one.
 `tool_choice="required"` or a named function is enforced with a JSON-schema grammar on the whole
 output, as vLLM does, independent of the model's own format: a JSON array of at least one
 `{"name", "parameters"}` object (required), or the named function's arguments object (named).
+
+Without `--tool-call-parser` the server infers one (`infer_tool_call_parser`): from the markers
+the chat template writes (`<tool_call>`: hermes; `<|python_tag|>` / ipython: llama3), else from
+the architecture (Qwen: qwen25, Llama: llama3). Where the template does not render tools itself,
+or no parser can be inferred, the tools are rendered into a system message
+(`tools_system_message`); with no parser the output is then returned as plain content.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import uuid
 from dataclasses import dataclass
 
 PARSERS = ("llama3", "qwen25", "hermes")
+# Architectures whose instruct models call tools in a parser's format.
+_ARCHITECTURE_PARSERS = {"Qwen2ForCausalLM": "qwen25", "Qwen3ForCausalLM": "qwen25",
+                         "Qwen3MoeForCausalLM": "qwen25", "LlamaForCausalLM": "llama3"}
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 
@@ -225,3 +234,37 @@ def forced_calls(choice, text: str) -> list[ParsedCall]:
         return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                 for c in value]
     return [ParsedCall(choice["name"], json.dumps(value, ensure_ascii=False))]
+
+
+# ---- without --tool-call-parser ----
+
+def infer_tool_call_parser(chat_template: str | None, architecture: str) -> str | None:
+    """The parser of the tool calls a model writes: from its chat template's markers, else its
+    architecture; None when neither says."""
+    template = chat_template or ""
+    if _HERMES_OPEN in template:
+        return "hermes"
+    if _PYTHON_TAG in template or "ipython" in template:
+        return "llama3"
+    return _ARCHITECTURE_PARSERS.get(architecture)
+
+
+def renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template writes the request's tools into the prompt itself."""
+    return chat_template is not None and "tools" in chat_template
+
+
+def tools_system_message(tools: list[dict], parser: str | None) -> str:
+    """A system message describing `tools` and how to call them in `parser`'s format, for a
+    template that does not render tools."""
+    listing = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False)
+                        for t in tools)
+    if parser == "llama3":
+        how = ('To call a function, answer with only {"name": <function name>, "parameters": '
+               '<arguments object>}.')
+    elif parser in ("qwen25", "hermes"):
+        how = (f'To call a function, write {_HERMES_OPEN}{{"name": <function name>, '
+               f'"arguments": <arguments object>}}{_HERMES_CLOSE}.')
+    else:
+        how = "Answer in text."
+    return f"You may call these functions:\n{listing}\n{how}"

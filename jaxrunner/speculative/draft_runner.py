@@ -18,11 +18,12 @@ from flax import nnx
 import jax
 import numpy as np
 
-from jaxrunner.attention import AttentionConfig, create_attention_backend
+from jaxrunner.attention import AttentionConfig, create_attention_backend, resolve_backend_name
+from jaxrunner.attention.mla import latent_cache_width
 from jaxrunner.batch.buckets import Bucket, executable_mode, pick_bucket
 from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.batch.forward_mode import ForwardMode
-from jaxrunner.mem_cache.kv_cache import TokenToKVPool, kv_bytes_per_token
+from jaxrunner.mem_cache.kv_cache import TokenToKVPool, model_kv_bytes_per_token
 from jaxrunner.runner.compiler import (
     Compiler,
     StepExecutables,
@@ -33,8 +34,8 @@ from jaxrunner.runner.model_layout import moe_runner_for
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.runner.step_programs import StepModel, StepShapes
 from jaxrunner.speculative.draft_programs import DraftPlan
-from jaxrunner.speculative.steps import DraftState
-from models.eagle import HEAD_CLASSES, IGNORED_TENSORS
+from jaxrunner.speculative.steps import DraftState, head_logits
+from models.eagle import HEAD_CLASSES, load_head
 from models.layers.moe_parallel import MoeRunner
 from models.loading.loader import load_model
 from models.registry import model_class
@@ -43,15 +44,19 @@ from models.sharding import ShardedPlacer, sharded_model_config
 HEADS = tuple(HEAD_CLASSES)
 
 
-def draft_kv_bytes_per_token(layer_cfg, num_layers: int, tp_size: int, dtype) -> int:
-    """The draft's KV bytes per token per device."""
-    kv_heads = sharded_model_config(layer_cfg, tp_size).num_key_value_heads
-    return kv_bytes_per_token(num_layers, kv_heads // tp_size, layer_cfg.head_dim, dtype)
+def draft_kv_bytes_per_token(layer_cfg, num_layers: int, args, dtype) -> int:
+    """The draft's KV bytes per token per device (`args`: the EngineArgs, for a latent cache's
+    row width on this platform)."""
+    platform = jax.local_devices()[0].platform
+    width = latent_cache_width(layer_cfg, resolve_backend_name(args.attention_backend, platform),
+                               platform, args.pallas_interpret)
+    return model_kv_bytes_per_token(sharded_model_config(layer_cfg, args.tp_size), num_layers,
+                                    args.tp_size, dtype, width)
 
 
 class DraftRunner:
-    """`kind` is "EAGLE", "EAGLE3" or "STANDALONE"; `config` a DraftHeadConfig (heads) or the
-    draft model's ModelConfig. Its weights are loaded once and kept: the engine's weight
+    """`kind` is "EAGLE", "EAGLE3", "NEXTN" or "STANDALONE"; `config` a head's config
+    (models/eagle.py `head_config`) or the draft model's ModelConfig. Its weights are loaded once and kept: the engine's weight
     updates and memory release act on the target (`ModelRunner.weights`), not on the draft."""
 
     def __init__(self, target: ModelRunner, kind: str, config, path: str, window: int,
@@ -80,16 +85,16 @@ class DraftRunner:
     def load_model(self, path: str) -> None:
         tp = self.parallel.tp_size
         self.sharded_config = layer = sharded_model_config(self.layer_config, tp)
-        # A head's layer is dense; a standalone draft may be a MoE model, run as the target's.
-        self.moe_runner = (MoeRunner() if self.head_config is not None else
-                           moe_runner_for(layer, self.args, self.parallel,
-                                          self.target.device.platform))
+        # An EAGLE head's layer is dense; a standalone draft, or DeepSeek's MTP layer, may be
+        # MoE, run as the target's experts are.
+        self.moe_runner = (moe_runner_for(layer, self.args, self.parallel,
+                                          self.target.device.platform)
+                           if layer.is_moe else MoeRunner())
         place = ShardedPlacer.for_model(self.parallel.mesh, self.layer_config,
                                         self.moe_runner.expert_axes)
         if self.head_config is not None:
             config = dataclasses.replace(self.head_config, layer=layer)
-            model = load_model(HEAD_CLASSES[self.kind], config, path, self.dtype, place,
-                               ignore=IGNORED_TENSORS)
+            model = load_head(self.kind, config, path, self.dtype, place, self.moe_runner)
         else:
             model = load_model(model_class(layer), layer, path, self.dtype, place)
         self.graphdef, self.state = nnx.split(model)
@@ -110,10 +115,14 @@ class DraftRunner:
         and a last one padding rows write to."""
         target, cfg, window = self.target, self.sharded_config, self.plan.window
         self.max_pages_per_req = target.max_pages_per_req
-        self.token_to_kv_pool = TokenToKVPool(self.num_layers, target.token_to_kv_pool.shape[1],
-                                              self.args.page_size, cfg.num_key_value_heads,
-                                              cfg.head_dim, target.kv_cache_dtype,
-                                              self.parallel.kv_cache)
+        self.kv_sharding = self.parallel.kv_cache_sharding(cfg.mla is not None)
+        width = latent_cache_width(cfg, target.attention_backend_name, target.platform,
+                                   self.args.pallas_interpret)
+        self.token_to_kv_pool = TokenToKVPool.for_model(cfg, self.num_layers,
+                                                        target.token_to_kv_pool.shape[1],
+                                                        self.args.page_size,
+                                                        target.kv_cache_dtype, self.kv_sharding,
+                                                        latent_width=width)
         self.num_slots = target.run_plan.memory.num_slots + 1
         replicated = self.parallel.replicated
         self.draft_state = DraftState(
@@ -128,12 +137,8 @@ class DraftRunner:
         return self.num_slots - 1
 
     def init_attention_backend(self) -> None:
-        cfg = self.sharded_config
-        attn_config = AttentionConfig(
-            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, page_size=self.args.page_size, sm_scale=cfg.sm_scale,
-            num_layers=self.num_layers, sliding_window=cfg.sliding_window,
-            soft_cap=cfg.attn_logit_softcap)
+        attn_config = AttentionConfig.for_model(self.sharded_config, page_size=self.args.page_size,
+                                                num_layers=self.num_layers)
         self.attn_backend = create_attention_backend(self.target.attention_backend_name,
                                                      attn_config,
                                                      interpret=self.args.pallas_interpret,
@@ -178,7 +183,7 @@ class DraftRunner:
         """A draft step jitted: its KV cache and draft buffers donated."""
         replicated = self.parallel.replicated
         return jax.jit(step, donate_argnums=(2, 3),
-                       out_shardings=(replicated, self.parallel.kv_cache, replicated))
+                       out_shardings=(replicated, self.kv_sharding, replicated))
 
     def step_operands(self, abstract: bool = False) -> tuple:
         """(the draft's weights, the target's weights a head reads, KV cache, draft buffers)."""
@@ -205,14 +210,12 @@ class DraftRunner:
         """The draft's logits over its own vocabulary for hidden states its steps output
         (tests and tools; compiles per shape)."""
         return _draft_logits(self.graphdef, self.state, self.target.graphdef, self.target.state,
-                             hidden)
+                             hidden, self.head_config is not None)
 
 
-@partial(jax.jit, static_argnums=(0, 2))
-def _draft_logits(graphdef, state, target_graphdef, target_state, hidden):
+@partial(jax.jit, static_argnums=(0, 2, 5))
+def _draft_logits(graphdef, state, target_graphdef, target_state, hidden, head: bool):
     model = nnx.merge(graphdef, state)
-    if hasattr(model, "lm_head") and not hasattr(model, "model"):  # EAGLE-3's own head
-        return model.compute_logits(hidden)
-    if not hasattr(model, "model"):  # EAGLE: the target's head
-        return nnx.merge(target_graphdef, target_state).compute_logits(hidden)
+    if head:  # EAGLE-3's own head, or the target's (EAGLE, NEXTN)
+        return head_logits(model, hidden, nnx.merge(target_graphdef, target_state))
     return model.compute_logits(hidden)

@@ -52,9 +52,9 @@ from jaxrunner.speculative.spec_info import (
     VerifyInput,
 )
 from jaxrunner.split_prefill.step import SplitPrefillState
-from jaxrunner.worker.model_worker import GenerationBatchResult, ModelWorker
+from jaxrunner.worker.model_worker import GenerationBatchResult, ModelWorker, check_kv_cache
 from models.config import ModelConfig
-from models.eagle import DraftHeadConfig
+from models.eagle import head_config
 
 
 @dataclass
@@ -67,9 +67,9 @@ class SpecRoundResult:
 
 
 def _draft_config(args: EngineArgs, target: ModelConfig):
-    algorithm, path = args.speculative_algorithm, args.speculative_draft_model_path
+    algorithm, path = args.speculative_algorithm, args.speculative_draft_path
     if algorithm in HEADS:
-        config = DraftHeadConfig.from_pretrained(path, algorithm, target)
+        config = head_config(algorithm, path, target)
         return config, config.layer, 1
     if algorithm == "STANDALONE":
         config = ModelConfig.from_pretrained(path)
@@ -125,7 +125,7 @@ class SpeculativeWorker:
             window=window,
             aux_layers=draft_config.aux_layer_ids if heads else (),
             capture=heads, draft_buffer=draft_config is not None,
-            draft_kv_bytes_per_token=(draft_kv_bytes_per_token(layer, num_layers, args.tp_size,
+            draft_kv_bytes_per_token=(draft_kv_bytes_per_token(layer, num_layers, args,
                                                                kv_dtype) if layer else 0))
         self.target = target = ModelWorker(args, model_config, compile_monitor, speculative=plan)
         self.model_runner = runner = target.model_runner
@@ -133,7 +133,7 @@ class SpeculativeWorker:
         self.context_len, self.vocab_size = target.context_len, target.vocab_size
         self.split_prefill_ranges = target.split_prefill_ranges
         self.draft = (DraftRunner(runner, self.algorithm, draft_config,
-                                  args.speculative_draft_model_path, window,
+                                  args.speculative_draft_path, window,
                                   args.speculative_eagle_topk, args.speculative_num_steps)
                       if draft_config is not None else None)
         self.topk = args.speculative_eagle_topk
@@ -167,6 +167,12 @@ class SpeculativeWorker:
 
     def redirect_split_writes(self, split: SplitPrefillState, out_cache_loc: np.ndarray) -> None:
         raise ForwardModeNotImplemented(_NO_SPLIT_PREFILL)
+
+    def check_device_state(self) -> None:
+        """The target's KV cache and the draft's (each donated to its steps) survived."""
+        self.target.check_device_state()
+        if self.draft is not None:
+            check_kv_cache(self.draft.token_to_kv_pool, "draft model's")
 
     # ---- prefill: the target, then the draft over the same tokens ----
 

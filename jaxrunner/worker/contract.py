@@ -46,6 +46,12 @@ class BatchResultProtocol(Protocol):
     def input_logprobs_to_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The real tokens' prompt logprobs, top ids and top logprobs."""
 
+    def hidden_states_to_host(self) -> np.ndarray:
+        """The captured hidden states of the real tokens (`return_hidden_states`)."""
+
+    def pooled_to_host(self) -> np.ndarray:
+        """A pooling model's step: the real rows' pooled results."""
+
 
 @runtime_checkable
 class WorkerProtocol(Protocol):
@@ -92,6 +98,10 @@ class WorkerProtocol(Protocol):
 
     def redirect_split_writes(self, split, out_cache_loc: np.ndarray) -> None:
         """Replaces the KV slots the split's remaining ranges write."""
+
+    def check_device_state(self) -> None:
+        """After a step failed: raises `scheduler.faults.DeviceStateLost` when the failure took
+        the device state (the donated KV cache) with it, so no further step can run."""
 
 
 @runtime_checkable

@@ -33,12 +33,15 @@ from jaxrunner.eplb.eplb_manager import EPLBManager
 from jaxrunner.eplb.expert_distribution import ExpertDistributionRecorder
 from jaxrunner.lora.adapter import parse_lora_paths
 from jaxrunner.lora.registry import LoraRegistry
+from jaxrunner.mem_cache.kv_cache import TokenToKVPool
 from jaxrunner.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
+from jaxrunner.pooling.result import PoolingBatchResult
 from jaxrunner.runner.compile_guard import CompileMonitor
 from jaxrunner.runner.lm_step import LogitsOutput
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.runner.run_plan import plan_run
 from jaxrunner.sampling.step import SamplerOutput
+from jaxrunner.scheduler.faults import DeviceStateLost
 from jaxrunner.speculative.plan import SpeculativePlan
 from jaxrunner.split_prefill.step import LayerRange, SplitPrefillState
 from models.config import ModelConfig
@@ -79,6 +82,14 @@ class GenerationBatchResult:
                 np.asarray(out.input_top_ids)[..., :t, :],
                 np.asarray(out.input_top_logprobs)[..., :t, :])
 
+    def hidden_states_to_host(self) -> np.ndarray:
+        """f32[t, D]: the captured states (FULL: each token's; a decode step's LAST: each
+        request's, its one token)."""
+        return np.asarray(self.logits_output.hidden_states, np.float32)[:self.num_tokens]
+
+    def pooled_to_host(self) -> np.ndarray:
+        raise NotImplementedError("a generative model's step pools nothing")
+
 
 class ModelWorker:
     """Owns the ModelRunner; builds forward batches and returns results. The engine arguments
@@ -111,6 +122,8 @@ class ModelWorker:
         self.vocab_size = runner.model_config.vocab_size
         self.dp_size = runner.parallel.dp_size
         self.dllm_plan = plan.dllm
+        # What a step's output becomes: sampled tokens, or a pooling model's pooled results.
+        self._finish_step = self._sample if plan.pooling is None else self._pooled
         self.split_prefill_ranges = args.split_prefill_ranges(
             runner.model_config.num_hidden_layers)
         if runner.lora_pool is not None:
@@ -154,6 +167,8 @@ class ModelWorker:
                              "DataParallelWorker.forward_batch_generation")
         prev_tokens = runner.no_prev_tokens if prev is None else prev.next_token_ids
         lora = runner.lora_pool.arrays if runner.lora_pool is not None else None
+        # The batch runs with the capture its program is compiled with (hidden states).
+        batch.capture_hidden_mode = runner.capture_mode(batch.forward_mode)
         forward_batch, sampling = ForwardBatch.init_new(batch, prev_tokens,
                                                         runner.input_embeds_for(batch),
                                                         lora_weights=lora)
@@ -175,8 +190,13 @@ class ModelWorker:
         """Runs an uploaded forward batch, (re)initialises the request slots that start using
         the sampling state (`slot_entries`), and samples."""
         logits_output = self.model_runner.forward(forward_batch)
-        return self._sample(logits_output, sampling, num_reqs, num_tokens, slot_entries,
-                            vocab_mask_fn)
+        return self._finish_step(logits_output, sampling, num_reqs, num_tokens, slot_entries,
+                                 vocab_mask_fn)
+
+    def _pooled(self, pooler_output, sampling, num_reqs: int, num_tokens: int, slot_entries,
+                vocab_mask_fn) -> PoolingBatchResult:
+        """A pooling model's step result: nothing is sampled."""
+        return PoolingBatchResult(pooler_output, num_reqs, self.model_runner.no_prev_tokens)
 
     def _sample(self, logits_output: LogitsOutput, sampling, num_reqs: int, num_tokens: int,
                 slot_entries, vocab_mask_fn) -> GenerationBatchResult:
@@ -224,8 +244,25 @@ class ModelWorker:
         return self._sample(logits_output, split.sampling, split.num_reqs, split.num_tokens,
                             split.slot_entries, vocab_mask_fn)
 
+    def check_device_state(self) -> None:
+        """After a step failed: raises DeviceStateLost when the KV cache, which every step
+        donates, went with it (no further step can run)."""
+        check_kv_cache(self.model_runner.token_to_kv_pool, "model's")
+
     def redirect_split_writes(self, split: SplitPrefillState, out_cache_loc: np.ndarray) -> None:
         """Replaces the KV slots the remaining ranges write (i32[T]): a request aborted mid-split
         writes the dummy page from now on, so its pages can go back at once."""
         split.forward_batch = split.forward_batch.replace(
             out_cache_loc=jax.device_put(out_cache_loc))
+
+
+def check_kv_cache(pool: TokenToKVPool, whose: str) -> None:
+    """Raises DeviceStateLost when `pool`'s cache is an error or a deleted buffer (a failed
+    step it was donated to); a released cache is not lost."""
+    if pool.released:
+        return
+    try:
+        jax.block_until_ready(pool.kv_cache)
+    except Exception as e:
+        raise DeviceStateLost(f"the {whose} KV cache was lost with a failed step "
+                              f"({type(e).__name__}: {e}); no further step can run") from e

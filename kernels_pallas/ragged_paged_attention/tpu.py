@@ -47,13 +47,15 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _STAT_LANES = tuning.TPU_STAT_LANES  # m and l are kept lane-replicated, the native vreg layout
 _LANES = 128
 DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+HEAD_DIMS = (64, 128, 256)
 
 
 def check_supported(*, head_dim: int, page_size: int, num_kv_heads: int, dtype=None) -> None:
     """Raises ValueError naming what this kernel cannot run (dtype None: any it supports)."""
-    if head_dim not in (64, 128):
-        # Mosaic's strided loads need rows exactly one 128-lane vreg wide.
-        raise ValueError(f"the TPU attention kernel needs head_dim 64 or 128, got {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        # Rows of whole 128-lane vregs (head_dim 64 packs K and V into one).
+        raise ValueError(f"the TPU attention kernel needs head_dim 64, 128 or 256, got "
+                         f"{head_dim}")
     if page_size % 8:
         raise ValueError(f"the TPU attention kernel needs page_size a multiple of 8, got "
                          f"{page_size}")
@@ -109,10 +111,20 @@ def _half(words, high: bool, dtype):
     return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
-def _load_head(kv_bufs, slot, h: int, *, num_kv_heads: int, kv_tokens: int, packed: bool,
-               interpret: bool, out_dtype=None):
-    """K and V [kv_tokens, lanes] of KV head h for every token of the buffer (packed: [K | V],
-    returned twice); an 8-bit buffer's in `out_dtype`."""
+def _load_head(kv_bufs, slot, h: int, *, chunks: int, **kwargs):
+    """K and V [kv_tokens, head_dim or 128] of KV head h for every token of KV buffer `slot`
+    (packed: [K | V], returned twice): head_dim 256 comes in two 128-lane chunks, each from a
+    buffer of its own (Mosaic's strided loads take rows of one vreg), joined along the lanes."""
+    parts = [_load_head_chunk(kv_bufs, slot * chunks + c, h, **kwargs) for c in range(chunks)]
+    if chunks == 1:
+        return parts[0]
+    return tuple(jnp.concatenate(halves, axis=1) for halves in zip(*parts))
+
+
+def _load_head_chunk(kv_bufs, slot, h: int, *, num_kv_heads: int, kv_tokens: int, packed: bool,
+                     interpret: bool, out_dtype=None):
+    """K and V [kv_tokens, 128] of KV head h in buffer `slot` of 128-lane rows (packed:
+    [K | V], returned twice); an 8-bit buffer's in `out_dtype`."""
     dtype = kv_bufs.dtype
     if jnp.dtype(dtype).itemsize == 1:
         if packed and num_kv_heads == 1:  # one row per token: no stride
@@ -174,7 +186,7 @@ def _attend(
     # Output:
     o_ref,  # [num_kv_heads, q_tokens * group, lanes]
     # Scratch:
-    kv_bufs,  # [2, kv_pages * page_size * rows_per_token, lanes]
+    kv_bufs,  # [2 * chunks, kv_pages * page_size * rows_per_token, 128]: per slot, per chunk
     sems,  # DMA semaphores [2], one per buffer
     m_ref,  # f32[num_kv_heads, q_tokens * group, 128]: running max
     l_ref,  # f32[num_kv_heads, q_tokens * group, 128]: running denominator
@@ -193,11 +205,12 @@ def _attend(
     pages_per_seq: int,
     kv_pages: int,
     packed: bool,
+    chunks: int,
     interpret: bool,
 ):
     q_block = pl.program_id(0)
     num_kv_heads, q_rows, _ = q_ref.shape
-    rows_per_page = kv_hbm_ref.shape[1]
+    rows_per_page = kv_hbm_ref.shape[1]  # rows of 128 * chunks lanes
     kv_tokens = kv_pages * page_size
     block_first_token = q_block * q_tokens
 
@@ -206,17 +219,23 @@ def _attend(
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def page_copy(seq, page, slot, page_in_block):
-        return pltpu.make_async_copy(
-            kv_hbm_ref.at[page_indices_ref[seq * pages_per_seq + page]],
-            kv_bufs.at[slot, pl.ds(page_in_block * rows_per_page, rows_per_page)],
-            sems.at[slot])
+    def page_copies(seq, page, slot, page_in_block):
+        # One DMA per 128-lane chunk of the rows, each into its own buffer.
+        source = kv_hbm_ref.at[page_indices_ref[seq * pages_per_seq + page]]
+        rows = pl.ds(page_in_block * rows_per_page, rows_per_page)
+        if chunks == 1:
+            return [pltpu.make_async_copy(source, kv_bufs.at[slot, rows], sems.at[slot])]
+        return [pltpu.make_async_copy(source.at[:, pl.ds(c * _LANES, _LANES)],
+                                      kv_bufs.at[slot * chunks + c, rows], sems.at[slot])
+                for c in range(chunks)]
 
     def for_each_page(seq, kv_block, slot, action):
         # Only pages that hold tokens: the rest of page_indices may point anywhere.
         num_pages = pl.cdiv(kv_lens_ref[seq], page_size) - kv_block * kv_pages
         def body(page_in_block, carry):
-            action(page_copy(seq, kv_block * kv_pages + page_in_block, slot, page_in_block))
+            for copy in page_copies(seq, kv_block * kv_pages + page_in_block, slot,
+                                    page_in_block):
+                action(copy)
             return carry
         lax.fori_loop(0, jnp.minimum(kv_pages, num_pages), body, 0)
 
@@ -247,8 +266,9 @@ def _attend(
         k_valid = kv_block * kv_tokens + lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0) < kv_len
 
         for h in range(num_kv_heads):  # static: few heads, and each gets its own refs slice
-            k, v = _load_head(kv_bufs, slot, h, num_kv_heads=num_kv_heads, kv_tokens=kv_tokens,
-                              packed=packed, interpret=interpret, out_dtype=q_ref.dtype)
+            k, v = _load_head(kv_bufs, slot, h, chunks=chunks, num_kv_heads=num_kv_heads,
+                              kv_tokens=kv_tokens, packed=packed, interpret=interpret,
+                              out_dtype=q_ref.dtype)
             k = jnp.where(k_valid, k, jnp.zeros_like(k))
             v = k if packed else jnp.where(k_valid, v, jnp.zeros_like(v))
             s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
@@ -322,9 +342,11 @@ def _check_memory(info, block_sizes, vmem_bytes: int, max_num_seqs: int, pages_p
     """Refuses blocks that do not fit the chip's VMEM and a page table that does not fit its SMEM
     (the scalar-prefetch arrays live there whole)."""
     chip = info.chip_version
-    if vmem_bytes > info.vmem_capacity_bytes:
+    limit = tuning.tpu_scoped_vmem_bytes(info.vmem_capacity_bytes)
+    if vmem_bytes > limit:
         raise ValueError(f"TPU attention blocks {block_sizes} need about {vmem_bytes / 2**20:.0f} "
-                         f"MiB of VMEM; TPU {chip} has {info.vmem_capacity_bytes / 2**20:.0f} MiB")
+                         f"MiB of VMEM; the kernel's scoped VMEM on TPU {chip} is "
+                         f"{limit / 2**20:.0f} MiB")
     smem_bytes = 4 * (2 * max_num_seqs + 1 + max_num_seqs * pages_per_seq + 2 * num_q_blocks)
     if smem_bytes > info.smem_capacity_bytes:
         raise ValueError(
@@ -390,7 +412,8 @@ def ragged_paged_attention_tpu(
     check_supported(head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
                     dtype=kv_cache.dtype)
     packed = head_dim == 64
-    lanes = _LANES  # head_dim 128, or a packed [K | V] row of head_dim 64
+    lanes = _LANES if packed else head_dim  # a packed [K | V] row of head_dim 64
+    chunks = lanes // _LANES  # 128-lane chunks of a row: 2 for head_dim 256
     rows_per_token = num_kv_heads if packed else 2 * num_kv_heads
     itemsize = jnp.dtype(kv_cache.dtype).itemsize
     info = None if interpret else _tpu_info()
@@ -407,10 +430,10 @@ def ragged_paged_attention_tpu(
     vmem_bytes = tuning.tpu_vmem_bytes(num_kv_heads=num_kv_heads, q_rows=q_rows,
                                        kv_tokens=kv_pages * page_size, lanes=lanes,
                                        rows_per_token=rows_per_token, itemsize=itemsize)
-    vmem_limit = max(32 * 1024 * 1024, int(1.5 * vmem_bytes))
+    vmem_limit = max(32 * 1024 * 1024, int(1.5 * vmem_bytes))  # interpret mode: any
     if info is not None:
         _check_memory(info, block_sizes, vmem_bytes, max_num_seqs, pages_per_seq, num_q_blocks)
-        vmem_limit = min(vmem_limit, info.vmem_capacity_bytes)
+        vmem_limit = tuning.tpu_scoped_vmem_bytes(info.vmem_capacity_bytes)
 
     # [T, H, D] -> [num_kv_heads, T_padded * group, lanes]; rows of one KV head's group adjacent.
     q_blocked = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -443,7 +466,7 @@ def ragged_paged_attention_tpu(
         sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, group=group,
         q_tokens=q_tokens, page_size=page_size, pages_per_seq=pages_per_seq, kv_pages=kv_pages,
-        packed=packed, interpret=interpret)
+        packed=packed, chunks=chunks, interpret=interpret)
     kv_buf_rows = kv_pages * page_size * rows_per_token
     out = pl.pallas_call(
         kernel,
@@ -453,7 +476,7 @@ def ragged_paged_attention_tpu(
             in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((2, kv_buf_rows, lanes), kv_cache.dtype),
+                pltpu.VMEM((2 * chunks, kv_buf_rows, _LANES), kv_cache.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((num_kv_heads, q_rows, _STAT_LANES), jnp.float32),
                 pltpu.VMEM((num_kv_heads, q_rows, _STAT_LANES), jnp.float32),

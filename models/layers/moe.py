@@ -120,10 +120,19 @@ def route(x, router_logits, replicas, num_replicas, valid, *, top_k: int, norm_t
     weights, experts = jax.lax.top_k(probs, top_k)                        # [N, k]
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    token = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
+    return place_choices(weights.astype(x.dtype), experts, replicas, num_replicas, valid,
+                         num_slots=num_slots)
+
+
+def place_choices(weights, experts, replicas, num_replicas, valid, *, num_slots: int
+                  ) -> tuple[Routing, jax.Array]:
+    """Each token's chosen logical experts i32[N, k] and their weights [N, k] -> (the routing
+    over physical slots, i32[P] choices per slot): choice (t, j) of expert e goes to replica
+    `t mod num_replicas[e]`; padded tokens (not `valid`) route nowhere."""
+    token = jnp.arange(experts.shape[0], dtype=jnp.int32)[:, None]
     slots = replicas[experts, token % num_replicas[experts]]
     slots = jnp.where(valid[:, None], slots, num_slots)
-    weights = jnp.where(valid[:, None], weights, 0).astype(x.dtype)
+    weights = jnp.where(valid[:, None], weights, 0)
     counts = jnp.zeros((num_slots + 1,), jnp.int32).at[slots.reshape(-1)].add(1)[:num_slots]
     return Routing(slots, weights), counts
 

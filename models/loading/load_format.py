@@ -24,6 +24,7 @@ from models.config import ModelConfig
 from models.loading import orbax_checkpoint
 from models.loading.loader import load_model
 from models.loading.weights import INDEX_FILE, SINGLE_FILE
+from models.registry import unused_tensor_prefixes
 from models.sharding import ShardedPlacer
 
 
@@ -71,7 +72,8 @@ def load_state(load_format: str, model_cls, cfg: ModelConfig, checkpoint_cfg: Mo
     (resolved, not "auto"). `cfg` is the model as sharded (KV heads repeated up to tp_size),
     `checkpoint_cfg` the checkpoint's own config."""
     if load_format == "safetensors":
-        return nnx.split(load_model(model_cls, cfg, model_dir, dtype, place))
+        return nnx.split(load_model(model_cls, cfg, model_dir, dtype, place,
+                                    ignore_prefixes=unused_tensor_prefixes(cfg)))
     if getattr(cfg, "quantization", None) is not None:
         raise ValueError(f"quantization {cfg.quantization.method!r} is implemented for "
                          f"load_format 'safetensors' only, not {load_format!r}")

@@ -36,6 +36,8 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     "embedding": ("weight", lambda w: w),
     "weight": ("weight", lambda w: w),   # norms
     "d2t": ("d2t", lambda w: w),         # EAGLE-3's draft -> target vocabulary offsets
+    # DeepSeek-V3's router: the bias its noaux_tc ranking adds to the scores.
+    "e_score_correction_bias": ("e_score_correction_bias", lambda w: w),
     # A quantized linear's scales as Hugging Face's fp8 format publishes them ([out blocks,
     # in blocks]); quantized on load, `quantized_leaf_rules` takes over.
     "weight_scale": ("weight_scale_inv", np.transpose),
@@ -46,6 +48,8 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
 # Checkpoint tensors that are not parameters of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 STACKED = ("model", "layers")
+# What block fp8 experts are quantized to again on load (QuantConfig.requantized_experts).
+PER_CHANNEL_FP8 = QuantConfig("fp8")
 
 
 def is_stacked(path: tuple) -> bool:
@@ -164,24 +168,29 @@ def read_full(source: ParamSource, dtype, index: tuple = ()) -> np.ndarray:
 
 
 def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
-               place: Callable = default_place, ignore: tuple[str, ...] = ()) -> nnx.Module:
+               place: Callable = default_place, ignore: tuple[str, ...] = (),
+               ignore_prefixes: tuple[str, ...] = (),
+               open_checkpoint: Callable = CheckpointReader) -> nnx.Module:
     """Builds `model_cls(cfg)` without initialising it, then fills it from the checkpoint.
 
     `place(source, dtype)` turns each `ParamSource` into the parameter's device array, e.g.
     `models.sharding.ShardedPlacer` for tensor parallelism; each parameter keeps the dtype the
     model gave it (`dtype` for weights). The MoE layers' expert maps (`models.layers.moe.ExpertMap`,
     not in the checkpoint) are placed too, as int32, with the start-up placement. Checkpoint
-    tensors named in `ignore` are allowed and not read.
+    tensors named in `ignore`, or whose names start with one of `ignore_prefixes`, are allowed
+    and not read. `open_checkpoint(model_dir)` opens the tensors to read (a view of a
+    checkpoint's part, e.g. models/loading/mtp_checkpoint.py).
 
     Raises ValueError naming any missing, unexpected or mis-shaped tensor.
     """
     abstract = nnx.eval_shape(lambda: model_cls(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     params = dict(nnx.to_flat_state(state))
-    with CheckpointReader(model_dir) as ckpt:
+    with open_checkpoint(model_dir) as ckpt:
         shapes = {p: tuple(v.shape) for p, v in params.items()}
         maps = frozenset(p for p, v in params.items() if isinstance(v, ExpertMap))
-        sources = checkpoint_sources(ckpt, shapes, cfg, ignore, expert_maps=maps)
+        sources = checkpoint_sources(ckpt, shapes, cfg, ignore, expert_maps=maps,
+                                     ignore_prefixes=ignore_prefixes)
         # Each parameter keeps the dtype the model gave it (e.g. EAGLE-3's integer d2t).
         dtypes = {p: np.int32 if p in maps else v.dtype for p, v in params.items()}
         for path, value in place_all(sources, dtypes, place):
@@ -190,12 +199,16 @@ def load_model(model_cls, cfg: ModelConfig, model_dir: str, dtype,
 
 
 def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
-                       ignore: tuple[str, ...] = (), expert_maps: frozenset = frozenset()
+                       ignore: tuple[str, ...] = (), expert_maps: frozenset = frozenset(),
+                       ignore_prefixes: tuple[str, ...] = (),
+                       expert_of: Callable[[tuple, int, int], int] | None = None
                        ) -> list[tuple[tuple, ParamSource]]:
     """The `ParamSource` of every parameter (path -> shape as the model holds it) in an open
-    checkpoint; the parameters in `expert_maps` get the start-up placement. Raises ValueError
-    naming the tensors the checkpoint lacks or has in excess (tensors named in `ignore` are
-    allowed and not read)."""
+    checkpoint; the parameters in `expert_maps` get the start-up placement. `expert_of(path,
+    layer, slot)` is the logical expert an expert weight's slot holds (default: the start-up
+    placement, slot mod E; a weight update passes EPLB's placement of the moment). Raises
+    ValueError naming the tensors the checkpoint lacks or has in excess (tensors named in
+    `ignore` or starting with one of `ignore_prefixes` are allowed and not read)."""
     model_dir = ckpt.model_dir
     available = set(ckpt.names)
     layout = ExpertLayout.detect(cfg, available) if getattr(cfg, "is_moe", False) else None
@@ -214,7 +227,7 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
         # A quantized linear's kernel and scale, or a quantized expert weight and its scale.
         quantized = (path[:-1] + ("weight_scale",) in shapes
                      or path[:-1] + (path[-1].removesuffix(SCALE_SUFFIX) + SCALE_SUFFIX,) in shapes)
-        source = _source(ckpt, cfg, layout, path, shape, model_dir, quantized)
+        source = _source(ckpt, cfg, layout, path, shape, model_dir, quantized, expert_of)
         names = source.names()
         absent = [n for n in names if n not in available]
         missing += absent
@@ -226,7 +239,7 @@ def checkpoint_sources(ckpt: CheckpointReader, shapes: dict[tuple, tuple], cfg,
                          f"needs, e.g. {missing[:5]}")
     used.update(_zero_points(ckpt, cfg, available - used))
     extra = sorted(n for n in available - used if not n.endswith(IGNORED_SUFFIXES)
-                   and n not in ignore
+                   and n not in ignore and not n.startswith(ignore_prefixes)
                    and not kv_scales.is_kv_scale_tensor(n)  # read only with an fp8 cache
                    and not (n == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False)))
     if extra:
@@ -271,23 +284,9 @@ def layout_shape(path: tuple, shape: tuple, to_checkpoint: bool = False) -> tupl
     return tuple((to_checkpoint_layout if to_checkpoint else to_model_layout)(path, view).shape)
 
 
-def tensor_shapes(shapes: dict[tuple, tuple]) -> dict[str, tuple[tuple, int | None, tuple]]:
-    """Hugging Face tensor name -> (parameter path, decoder layer or None, the tensor's shape in
-    the checkpoint) for every tensor that the parameters of `shapes` (path -> shape as the model
-    holds it) are made of: the inverse of `hf_name`."""
-    index = {}
-    for path, shape in shapes.items():
-        if is_stacked(path):
-            layer_shape = layout_shape(path, shape[1:], to_checkpoint=True)
-            for layer in range(shape[0]):
-                index[hf_name(path, layer)] = (path, layer, layer_shape)
-        else:
-            index[hf_name(path)] = (path, None, layout_shape(path, shape, to_checkpoint=True))
-    return index
-
-
 def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | None,
-            path: tuple, shape: tuple, model_dir, quantized: bool = False) -> ParamSource:
+            path: tuple, shape: tuple, model_dir, quantized: bool = False,
+            expert_of: Callable[[tuple, int, int], int] | None = None) -> ParamSource:
     stacked = is_stacked(path)
     start = cfg.layer_runs[path[2]].start if stacked else 0
     common = dict(path=path, shape=shape, num_layers=shape[0] if stacked else None,
@@ -297,18 +296,30 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
         leaf = path[-1].removesuffix(SCALE_SUFFIX)
         part = int(path[-1] != leaf)
         E = cfg.num_experts
-        if quantized:
+        if expert_of is None:
+            def expert_of(path, layer, slot):
+                return slot % E
+        requantized = quantized and cfg.quantization.requantized_experts
+        if requantized:  # block fp8 -> per output channel (QuantConfig.requantized_experts)
             def read(layer, slot):
-                w = layout.read(ckpt, leaf, start + layer, slot % E)
+                w = layout.read_dequantized(ckpt, leaf, start + layer,
+                                            expert_of(path, layer, slot), cfg.quantization)
+                return quantize_weight(w, PER_CHANNEL_FP8)[part]
+        elif quantized:
+            def read(layer, slot):
+                w = layout.read(ckpt, leaf, start + layer, expert_of(path, layer, slot))
                 return quantize_weight(w, cfg.quantization)[part]
         else:
             def read(layer, slot):
-                return layout.read(ckpt, leaf, start + layer, slot % E)
+                return layout.read(ckpt, leaf, start + layer, expert_of(path, layer, slot))
 
         def expert_name(layer, slot):
-            return layout.tensor(leaf, start + layer, slot % E)
+            return layout.tensor(leaf, start + layer, expert_of(path, layer, slot))
 
         tensors = [n for layer in range(shape[0]) for n in layout.tensors(leaf, start + layer)]
+        if requantized:
+            tensors += [layout.scale_tensor(leaf, start + layer, e)
+                        for layer in range(shape[0]) for e in range(E)]
         return ParamSource(**common, name=expert_name, num_slots=shape[1],
                            tensors=tuple(tensors), raw=read)
     rules = quantized_leaf_rules(cfg.quantization, shape[-1]) if quantized else LEAF_RULES

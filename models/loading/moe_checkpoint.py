@@ -15,15 +15,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from models.quantization.linear import dequantize
+
 # our expert leaf -> (per-expert name by architecture, fused tensor, which half of it: 0 gate,
 # 1 up, None whole)
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 EXPERT_TENSORS: dict[str, tuple[dict[str, str], str, int | None]] = {
-    "gate_proj": ({"Qwen3MoeForCausalLM": "gate_proj", "MixtralForCausalLM": "w1"},
-                  "gate_up_proj", 0),
-    "up_proj": ({"Qwen3MoeForCausalLM": "up_proj", "MixtralForCausalLM": "w3"},
-                "gate_up_proj", 1),
-    "down_proj": ({"Qwen3MoeForCausalLM": "down_proj", "MixtralForCausalLM": "w2"},
-                  "down_proj", None),
+    "gate_proj": ({"Qwen3MoeForCausalLM": "gate_proj", "MixtralForCausalLM": "w1",
+                   **dict.fromkeys(_DEEPSEEK, "gate_proj")}, "gate_up_proj", 0),
+    "up_proj": ({"Qwen3MoeForCausalLM": "up_proj", "MixtralForCausalLM": "w3",
+                 **dict.fromkeys(_DEEPSEEK, "up_proj")}, "gate_up_proj", 1),
+    "down_proj": ({"Qwen3MoeForCausalLM": "down_proj", "MixtralForCausalLM": "w2",
+                   **dict.fromkeys(_DEEPSEEK, "down_proj")}, "down_proj", None),
 }
 # The MoE block's name in per-expert checkpoints, where it is not ours (`mlp`).
 PER_EXPERT_BLOCK = {"MixtralForCausalLM": "block_sparse_moe"}
@@ -74,6 +77,20 @@ class ExpertLayout:
     def tensors(self, leaf: str, layer: int) -> list[str]:
         """Every checkpoint tensor `leaf` of `layer` is made of."""
         return sorted({self.tensor(leaf, layer, e) for e in range(self.num_experts)})
+
+    def scale_tensor(self, leaf: str, layer: int, expert: int) -> str:
+        """The block scales (`weight_scale_inv`) of a pre-quantized fp8 expert weight."""
+        if self.fused:
+            raise ValueError("block fp8 experts in the fused layout are not supported (per "
+                             "expert only, as DeepSeek and Qwen publish them)")
+        return self.tensor(leaf, layer, expert).removesuffix("weight") + "weight_scale_inv"
+
+    def read_dequantized(self, ckpt, leaf: str, layer: int, expert: int, quant) -> np.ndarray:
+        """A block fp8 expert weight times its block scales (`quant`: the checkpoint's
+        QuantConfig), float32 in our [in, out] layout."""
+        weight = self.read(ckpt, leaf, layer, expert)
+        scale = np.transpose(ckpt.get(self.scale_tensor(leaf, layer, expert)))
+        return dequantize(weight, scale, quant)
 
     def read(self, ckpt, leaf: str, layer: int, expert: int) -> np.ndarray:
         """Expert `expert`'s `leaf` in `layer`, in our [in, out] layout."""

@@ -25,6 +25,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _TORCH_BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# The embedding table of a decoder saved without its `model.` prefix.
+_BARE_DECODER = "embed_tokens.weight"
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -63,10 +65,14 @@ class CheckpointReader:
             for path, wanted in self._files:
                 f = self._stack.enter_context(_open(path))
                 for name in _names_in_file(f, path, wanted):
-                    self._where[name] = (f, path)
+                    self._where[name] = (f, path, name)
         except BaseException:
             self._stack.close()
             raise
+        if _BARE_DECODER in self._where and not any(n.startswith("model.") for n in self._where):
+            # A bare decoder's checkpoint (Qwen3-Embedding's, e5-mistral's): its tensors are the
+            # causal LM's `model.` ones.
+            self._where = {"model." + name: where for name, where in self._where.items()}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -80,19 +86,19 @@ class CheckpointReader:
         return name in self._where
 
     def shape(self, name: str) -> tuple[int, ...]:
-        f, _ = self._where[name]
-        return tuple(f.get_slice(name).get_shape())
+        f, _, stored = self._where[name]
+        return tuple(f.get_slice(stored).get_shape())
 
     def get(self, name: str, index: int | None = None) -> np.ndarray:
         """The tensor `name`, or only its row `index` (read alone: one expert of a fused
         expert tensor)."""
-        f, path = self._where[name]
+        f, path, stored = self._where[name]
         try:
-            dtype = f.get_slice(name).get_dtype()
+            dtype = f.get_slice(stored).get_dtype()
             if dtype in _FP8_DTYPES:
-                tensor = self._read_fp8(path, name, _FP8_DTYPES[dtype])
+                tensor = self._read_fp8(path, stored, _FP8_DTYPES[dtype])
                 return tensor if index is None else tensor[index]
-            return f.get_tensor(name) if index is None else f.get_slice(name)[index]
+            return f.get_tensor(stored) if index is None else f.get_slice(stored)[index]
         except SafetensorError as e:
             raise ValueError(f"corrupt safetensors file {path}: tensor {name!r}: {e}") from e
 

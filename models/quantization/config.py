@@ -52,6 +52,15 @@ class QuantConfig:
     def weight_dtype(self) -> np.dtype:
         return WEIGHT_DTYPES[self.method]
 
+    @property
+    def requantized_experts(self) -> bool:
+        """A MoE model's experts in Hugging Face's block fp8 format (DeepSeek's, Qwen3's FP8)
+        are read dequantised and quantized again per output channel, the scales the grouped
+        matmuls take (models/quantization/moe.py): exact where a channel's largest weight sits
+        at fp8's largest value in its block, else within fp8's rounding."""
+        return (self.prequantized and self.method == "fp8" and self.block_size is not None
+                and self.checkpoint_format is None)
+
     def scale_shape(self, d_in: int, d_out: int) -> tuple[int, int]:
         """The `weight_scale` shape of a [d_in, d_out] kernel."""
         if self.block_size is None:
@@ -119,10 +128,10 @@ def resolve(checkpoint: QuantConfig | None, requested: str | None, is_moe: bool
         return None
     else:
         chosen = QuantConfig(requested)
-    if is_moe and chosen.prequantized:
+    if is_moe and chosen.prequantized and not chosen.requantized_experts:
         raise ValueError(f"pre-quantized {chosen.method!r} checkpoints of MoE models are not "
-                         f"implemented (their expert weights); quantize a float checkpoint "
-                         f"on load instead")
+                         f"implemented (their expert weights) but in Hugging Face's block fp8 "
+                         f"format; quantize a float checkpoint on load instead")
     if is_moe and chosen.method not in MOE_METHODS:
         raise ValueError(f"quantization {chosen.method!r} is not implemented for MoE expert "
                          f"weights; MoE models take {MOE_METHODS}")

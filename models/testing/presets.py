@@ -117,3 +117,71 @@ PRESETS["small-moe"] = dict(
     norm_topk_prob=True,
     mlp_only_layers=[],
 )
+
+# DeepSeek V2/V3 (models/deepseek.py): multi-head latent attention and DeepSeekMoE, at tiny
+# sizes with real structure (models/testing/deepseek_checkpoint.py writes them). The first layer
+# dense, the others MoE with shared experts. tiny-deepseek-v2 is DeepSeek-V2-Lite-shaped (a plain
+# q_proj, softmax greedy routing, YaRN with V2-Lite's mscales); tiny-deepseek-v3 is V3-shaped
+# (q_lora_rank, sigmoid noaux_tc routing over expert groups with the correction bias, a routed
+# scaling factor, one multi-token-prediction layer).
+_DEEPSEEK = dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+    num_attention_heads=4, max_position_embeddings=2048, tie_word_embeddings=False,
+    kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+    first_k_dense_replace=1, moe_layer_freq=1,
+)
+PRESETS["tiny-deepseek-v2"] = dict(
+    _DEEPSEEK,
+    architecture="DeepseekV2ForCausalLM",
+    q_lora_rank=None, n_shared_experts=2, scoring_func="softmax", topk_method="greedy",
+    norm_topk_prob=False, routed_scaling_factor=1.0,
+    rope_form="v5",
+    rope=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+              original_max_position_embeddings=512, beta_fast=32.0, beta_slow=1.0,
+              mscale=0.707, mscale_all_dim=0.707),
+)
+PRESETS["tiny-deepseek-v3"] = dict(
+    _DEEPSEEK,
+    architecture="DeepseekV3ForCausalLM",
+    q_lora_rank=96, n_shared_experts=1, scoring_func="sigmoid", topk_method="noaux_tc",
+    n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+    num_nextn_predict_layers=1,
+    rope_form="v4",
+    rope=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+              original_max_position_embeddings=512, beta_fast=32.0, beta_slow=1.0,
+              mscale=1.0, mscale_all_dim=1.0),
+)
+# Configurations the two above do not cover: other ranks, group counts and dense-layer counts;
+# V2's group_limited_greedy with a q_lora_rank; V3 without rope interleaving or MTP.
+PRESETS["tiny-deepseek-v2-groups"] = dict(
+    PRESETS["tiny-deepseek-v2"], q_lora_rank=48, kv_lora_rank=48, qk_rope_head_dim=8,
+    topk_method="group_limited_greedy", n_group=2, topk_group=1, first_k_dense_replace=0,
+    routed_scaling_factor=1.5, n_shared_experts=1)
+PRESETS["tiny-deepseek-v3-dense2"] = dict(
+    PRESETS["tiny-deepseek-v3"], num_hidden_layers=4, first_k_dense_replace=2, kv_lora_rank=32,
+    qk_nope_head_dim=16, v_head_dim=24, n_group=2, topk_group=1, num_experts_per_tok=3,
+    rope_interleave=False, num_nextn_predict_layers=0, n_shared_experts=2,
+    rope=dict(rope_type="default", rope_theta=10000.0))
+# The benchmark's DeepSeek: the "small" model's width and depth, V3's structure and MTP layer.
+PRESETS["small-deepseek"] = dict(
+    PRESETS["tiny-deepseek-v3"], vocab_size=32000, hidden_size=512, intermediate_size=1408,
+    num_hidden_layers=8, num_attention_heads=8, max_position_embeddings=4096,
+    q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+    n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
+# Pooling models (jaxrunner/pooling/). An embedding model saved as Qwen3-Embedding is: a causal
+# LM's config, the bare decoder's weights (no `model.` prefix, no LM head) and a
+# sentence-transformers config pooling the last token, normalised. One saved as a bare
+# decoder architecture (LlamaModel, as e5-mistral's MistralModel) pooling the mean, normalised.
+PRESETS["tiny-qwen3-embedding"] = dict(PRESETS["tiny-qwen3"], bare_decoder=True,
+                                       pooling=dict(mode="last", normalize=True),
+                                       is_matryoshka=True)
+PRESETS["tiny-llama-mean-embedding"] = dict(PRESETS["tiny-llama"], architecture="LlamaModel",
+                                            bare_decoder=True,
+                                            pooling=dict(mode="mean", normalize=True))
+# A reward model (one score) and a three-label classifier: *ForSequenceClassification, `score`.
+PRESETS["tiny-qwen2-reward"] = dict(PRESETS["tiny-qwen2"],
+                                    architecture="Qwen2ForSequenceClassification", num_labels=1)
+PRESETS["tiny-llama-classifier"] = dict(PRESETS["tiny-llama"],
+                                        architecture="LlamaForSequenceClassification",
+                                        num_labels=3, id2label=["negative", "neutral", "positive"])

@@ -26,6 +26,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from models.testing import deepseek_checkpoint
+from models.config import POOLING_ARCHITECTURES
+from models.testing.pooling_files import pooling_config_entries, write_pooling_files
 from models.testing.presets import PRESETS
 from models.testing.tokenizer import (
     BOS_ID,
@@ -45,10 +48,17 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "SDARForCausalLM": "sdar",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+# A pooling model's checkpoint has its decoder family's model type.
+_MODEL_TYPES.update({arch: _MODEL_TYPES[family]
+                     for arch, (family, _) in POOLING_ARCHITECTURES.items()})
 # Router weights: logits of std ROUTER_STD, so the top-k rarely sits on a near-tie that float
 # rounding could flip between implementations.
 ROUTER_STD = 4.0
+# DeepSeek-V3's noaux_tc correction bias: about the spread of the sigmoid scores it shifts.
+CORRECTION_BIAS_STD = 0.1
 
 # Weight scales. Inputs to every projection are RMS-normalised, so 1/sqrt(fan_in) keeps
 # activations near unit scale. o_proj and down_proj write RESIDUAL_WRITE_SCALE times that into the
@@ -92,6 +102,7 @@ def make_checkpoint(
     write_json(out / "config.json", _hf_config(spec, dtype))
     write_json(out / "generation_config.json", _generation_config())
     write_tokenizer(out, tokenizer, spec["max_position_embeddings"])
+    write_pooling_files(out, spec)
     np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
     _write_weights(out, spec, seed, np_dtype, shards)
     return out
@@ -140,17 +151,16 @@ def hf_config(preset: str, dtype: str = "float32") -> dict[str, Any]:
 
 
 def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
-    arch = spec["architecture"]
     config: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": _MODEL_TYPES[arch],
+        "architectures": [spec["architecture"]],
+        "model_type": _MODEL_TYPES[spec["architecture"]],
         "vocab_size": spec["vocab_size"],
         "hidden_size": spec["hidden_size"],
         "intermediate_size": spec["intermediate_size"],
         "num_hidden_layers": spec["num_hidden_layers"],
         "num_attention_heads": spec["num_attention_heads"],
-        "num_key_value_heads": spec["num_key_value_heads"],
-        "head_dim": spec["head_dim"],
+        "num_key_value_heads": spec.get("num_key_value_heads"),
+        "head_dim": spec.get("head_dim"),
         "hidden_act": spec.get("hidden_act", "silu"),
         "max_position_embeddings": spec["max_position_embeddings"],
         "rms_norm_eps": 1e-6,
@@ -161,7 +171,10 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
         "use_cache": True,
+        **pooling_config_entries(spec),
     }
+    # A pooling checkpoint's decoder is its causal LM family's.
+    arch = POOLING_ARCHITECTURES.get(spec["architecture"], (spec["architecture"],))[0]
     qwen3_like = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM")
     if arch in ("LlamaForCausalLM", *qwen3_like):
         config["attention_bias"] = spec.get("attention_bias", False)
@@ -179,6 +192,8 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
                       router_aux_loss_coef=0.001)
     if arch == "SDARForCausalLM":
         config.update(mask_token_id=spec["mask_token_id"], block_size=spec["block_size"])
+    if arch in deepseek_checkpoint.ARCHITECTURES:
+        config = deepseek_checkpoint.family_config(spec, config)
     if arch == "MixtralForCausalLM":
         config.update(num_local_experts=spec["num_experts"],
                       num_experts_per_tok=spec["num_experts_per_tok"], router_jitter_noise=0.0,
@@ -232,9 +247,12 @@ def _expert_shapes(spec: dict[str, Any], prefix: str, fused: bool) -> dict[str, 
 def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape ([out, in] for projections, as torch Linear stores them). MoE
     experts come per expert or fused as the preset's `expert_layout` says (or `fused`)."""
+    arch = spec["architecture"]
+    if arch in deepseek_checkpoint.ARCHITECTURES:
+        return deepseek_checkpoint.tensor_shapes(spec)
     d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
     hd, nh, nkv = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"]
-    arch = spec["architecture"]
+    arch, head = POOLING_ARCHITECTURES.get(arch, (arch, "lm"))
     if fused is None:
         fused = spec.get("expert_layout") == "fused"
     shapes = {"model.embed_tokens.weight": (v, d)}
@@ -273,8 +291,12 @@ def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, 
                 f"{p}.self_attn.k_norm.weight": (hd,),
             })
     shapes["model.norm.weight"] = (d,)
-    if not spec["tie_word_embeddings"]:
+    if head == "classification":
+        shapes["score.weight"] = (spec["num_labels"], d)
+    elif head == "lm" and not spec["tie_word_embeddings"] and not spec.get("pooling"):
         shapes["lm_head.weight"] = (v, d)
+    if spec.get("bare_decoder"):  # saved from the bare decoder: no `model.` prefix
+        shapes = {name.removeprefix("model."): shape for name, shape in shapes.items()}
     return shapes
 
 
@@ -295,10 +317,12 @@ def _init_values(name: str, shape: tuple[int, ...], seed: int,
         return 1.0 + NORM_JITTER * x
     if name.endswith(".bias"):
         return BIAS_STD * x
-    if name == "model.embed_tokens.weight":
+    if name == "model.embed_tokens.weight" or name.endswith(".embed_tokens.weight"):
         return EMBED_STD * x
+    if name.endswith("e_score_correction_bias"):
+        return CORRECTION_BIAS_STD * x
     fan_in = shape[1]
-    if name == "lm_head.weight":
+    if name in ("lm_head.weight", "score.weight") or name.endswith("shared_head.head.weight"):
         return (LOGIT_STD / np.sqrt(fan_in)) * x
     if name.endswith("gate.weight"):  # a MoE router
         return (ROUTER_STD / np.sqrt(fan_in)) * x

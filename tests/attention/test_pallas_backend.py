@@ -7,8 +7,8 @@ from jaxrunner import Engine
 # Few buckets: every executable runs the interpreted kernel, which is slow to trace. The Pallas
 # interpreter compiles small programs while it runs (its io_callbacks use eager jnp), so the
 # compile-after-warm-up guard cannot apply to interpret mode.
-SMALL = dict(max_running_requests=4, max_prefill_tokens=128, max_total_tokens=4096,
-             disallow_compile_after_warmup=False)
+INTERPRET_ENGINE = dict(max_running_requests=4, max_prefill_tokens=128,
+                        max_total_tokens=4096, disallow_compile_after_warmup=False)
 
 
 def test_pallas_backend_gives_the_native_backends_greedy_tokens(checkpoint, engine_kwargs):
@@ -18,7 +18,7 @@ def test_pallas_backend_gives_the_native_backends_greedy_tokens(checkpoint, engi
     params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     outputs = {}
     for backend in ("native", "pallas"):
-        engine = Engine(model_path=path, **dict(engine_kwargs, **SMALL),
+        engine = Engine(model_path=path, **dict(engine_kwargs, **INTERPRET_ENGINE),
                         attention_backend=backend, pallas_interpret=True)
         assert engine.runner.attention_backend_name == backend
         outputs[backend] = [o["output_ids"] for o in engine.generate(input_ids=prompts,

@@ -1,7 +1,7 @@
 """Block-diffusion decoding (DLLM_EXTEND, SDAR, LowConfidence) end to end on tiny-sdar.
 
-The oracle is tests/dllm/dllm_reference.py: float32 numpy that recomputes the whole sequence every
-step with a dense block-causal mask (no KV cache, no engine code), itself checked against
+The oracle is tests/support/dllm_reference.py: float32 numpy that recomputes the whole sequence
+every step with a dense block-causal mask (no KV cache, no engine code), itself checked against
 Hugging Face Qwen3 on the same weights (SDAR's network is Qwen3's). The engine must commit the
 same tokens at every step of every block, for ragged batches of requests at different blocks
 and steps, without compiling after start-up, and give every page back.
@@ -21,10 +21,9 @@ from jaxrunner.config import EngineArgs
 from jaxrunner.dllm.plan import DllmPlan
 from jaxrunner.dllm.scheduler import DllmScheduler
 from jaxrunner.sampling.params import SamplingParams
-from tests.dllm.dllm_reference import Qwen3Reference, generate
-from tests.engine.test_engine import CompileCounter, _all_pages_free
-from tests.engine.test_engine import test_no_executable_copies_the_kv_cache as check_no_kv_copies
-from tests.scheduler.fake_worker import FakeWorker
+from tests.support.dllm_reference import Qwen3Reference, generate
+from tests.support.engine import CompileCounter, all_pages_free, assert_no_kv_cache_copy
+from tests.support.fake_worker import FakeWorker
 
 BLOCK, STEPS, THRESHOLD, MASK = 4, 3, 0.9, 1023
 
@@ -93,7 +92,7 @@ def test_engine_matches_reference_for_ragged_batches(engine, reference):
         if round_ == 1:  # the whole blocks of whole pages of the prompts: 16 tokens and more
             assert [o["meta_info"]["cached_tokens"] for o in outs] == [
                 n // 16 * 16 for n in lens]
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_stop_token_ends_the_request_in_the_block_that_commits_it(engine, reference):
@@ -109,7 +108,7 @@ def test_stop_token_ends_the_request_in_the_block_that_commits_it(engine, refere
     assert outs[0]["output_ids"] == cut
     assert outs[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert outs[1]["output_ids"] == free_run
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_abort_mid_block_frees_everything(engine):
@@ -123,7 +122,7 @@ def test_abort_mid_block_frees_everything(engine):
         engine.abort_request(req)
     assert all(r.finished_reason["type"] == "abort" for r in reqs)
     assert not engine.scheduler.has_work and not engine.scheduler.blocks
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_weight_update_aborts_the_requests_in_flight(engine, sdar):
@@ -143,7 +142,7 @@ def test_weight_update_aborts_the_requests_in_flight(engine, sdar):
     assert compiles.count == 0
     assert [r.finished_reason["type"] for r in reqs] == ["abort"] * 3
     assert not engine.scheduler.has_work and not engine.scheduler.blocks
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
     assert engine.generate(input_ids=prompts[0], sampling_params=greedy)["output_ids"] == before
 
 
@@ -156,7 +155,7 @@ def test_sampling_is_seeded(engine):
     assert a["output_ids"] == b["output_ids"]
     assert len(a["output_ids"]) == 8 and MASK not in a["output_ids"]
     assert {tuple(c["output_ids"]), tuple(greedy["output_ids"])} != {tuple(a["output_ids"])}
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 @pytest.mark.parametrize("params, kwargs, message", [
@@ -177,7 +176,7 @@ def test_unsupported_options_are_refused_and_the_engine_keeps_serving(engine, pa
     out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4,
                                                              "ignore_eos": True})
     assert len(out["output_ids"]) == 4
-    assert not engine.scheduler.has_work and _all_pages_free(engine)
+    assert not engine.scheduler.has_work and all_pages_free(engine)
 
 
 def test_a_request_under_a_lora_adapter_is_refused_by_name():
@@ -193,7 +192,7 @@ def test_a_request_under_a_lora_adapter_is_refused_by_name():
 
 
 def test_no_executable_copies_the_kv_cache(engine):
-    check_no_kv_copies(engine)
+    assert_no_kv_cache_copy(engine.runner)
 
 
 def _checkpoint_without_mask(sdar, tmp_path):

@@ -1,61 +1,23 @@
 """The offline engine end to end on the tiny Llama: batching, compiles, sampling, stops, errors."""
 
-import re
-
 import jax
-import jax.monitoring
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
-from jaxrunner.runner.compile_guard import COMPILE_EVENT, CompileAfterWarmupError
+from jaxrunner.runner.compile_guard import CompileAfterWarmupError
 from jaxrunner.runner.step_programs import ForwardModeNotImplemented
 from jaxrunner.sampling.params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint, engine_kwargs):
-    engine = Engine(model_path=str(checkpoint("tiny-llama")), **engine_kwargs)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf_llama(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint("tiny-llama"), dtype=torch.float32).eval()
-
-
-def _all_pages_free(engine):
-    """Every page is back once the prefix cache lets go of its pages."""
-    scheduler = engine.scheduler
-    return (engine.flush_cache() and scheduler.allocator.num_free == scheduler.allocator.capacity
-            and scheduler.req_to_token_pool.num_free_slots == scheduler.req_to_token_pool.num_slots)
-
-
-def _random_prompt(rng, engine, n):
-    return rng.integers(3, engine.model_config.vocab_size, size=n).tolist()
-
-
-class CompileCounter:
-    """A jax.monitoring listener of our own, independent of the engine's CompileMonitor."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, duration, **kwargs):
-        self.count += event == COMPILE_EVENT
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
+from tests.support.engine import (
+    CompileCounter,
+    all_pages_free,
+    assert_no_kv_cache_copy,
+    random_prompt,
+)
 
 
 def test_waves_of_64_requests_with_16_running_never_compile_and_free_every_page(engine):
@@ -66,7 +28,7 @@ def test_waves_of_64_requests_with_16_running_never_compile_and_free_every_page(
             for _ in range(16):
                 n_in, n_out = int(rng.integers(1, 513)), int(rng.integers(1, 129))
                 reqs.append(engine.add_request(
-                    _random_prompt(rng, engine, n_in),
+                    random_prompt(rng, engine, n_in),
                     {"max_new_tokens": n_out, "temperature": float(rng.choice([0.0, 0.8])),
                      "top_p": 0.9, "ignore_eos": True}))
             # The next wave arrives while this one is decoding.
@@ -81,7 +43,7 @@ def test_waves_of_64_requests_with_16_running_never_compile_and_free_every_page(
     for r in reqs:
         assert len(r.output_ids) == r.sampling_params.max_new_tokens
         assert r.finished_reason == {"type": "length", "length": r.max_new_tokens}
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwargs):
@@ -108,7 +70,7 @@ def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwa
 
 def test_batched_greedy_equals_one_at_a_time(engine):
     rng = np.random.default_rng(1)
-    prompts = [_random_prompt(rng, engine, n) for n in (3, 50, 17, 200, 1, 90)]
+    prompts = [random_prompt(rng, engine, n) for n in (3, 50, 17, 200, 1, 90)]
     params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     together = engine.generate(input_ids=prompts, sampling_params=params)
     for prompt, out in zip(prompts, together):
@@ -117,20 +79,20 @@ def test_batched_greedy_equals_one_at_a_time(engine):
 
 def test_long_prompt_is_prefilled_in_chunks_and_matches_hf(engine, hf_llama):
     rng = np.random.default_rng(2)
-    prompt = _random_prompt(rng, engine, 1300)  # > max_prefill_tokens (512): three chunks
+    prompt = random_prompt(rng, engine, 1300)  # > max_prefill_tokens (512): three chunks
     out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0.0})
     with torch.no_grad():
         want = hf_llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
     assert out["output_ids"] == want[0, len(prompt):].tolist()
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
     rng = np.random.default_rng(3)
-    prompt = _random_prompt(rng, engine, 20)
+    prompt = random_prompt(rng, engine, 20)
     params = {"max_new_tokens": 16, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
     alone = engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
-    others = [_random_prompt(rng, engine, 30) for _ in range(5)]
+    others = [random_prompt(rng, engine, 30) for _ in range(5)]
     batched = engine.generate(input_ids=others + [prompt],
                               sampling_params=[{"max_new_tokens": 16, "temperature": 1.0}] * 5 + [params])
     assert batched[-1]["output_ids"] == alone
@@ -143,7 +105,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
 
 def test_logprobs_are_the_models_log_softmax(engine, hf_llama):
     rng = np.random.default_rng(4)
-    prompt = _random_prompt(rng, engine, 10)
+    prompt = random_prompt(rng, engine, 10)
     out = engine.generate(input_ids=prompt, return_logprob=True,
                           sampling_params={"max_new_tokens": 6, "temperature": 0.7, "seed": 5,
                                            "ignore_eos": True})
@@ -173,13 +135,13 @@ def test_stop_strings_and_stop_token_ids(engine):
     first = ids.index(ids[5])
     assert out["output_ids"] == ids[:first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[5]}
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_max_new_tokens_is_capped_by_the_context(engine):
     rng = np.random.default_rng(5)
     n = engine.context_len - 3
-    out = engine.generate(input_ids=_random_prompt(rng, engine, n),
+    out = engine.generate(input_ids=random_prompt(rng, engine, n),
                           sampling_params={"max_new_tokens": 50, "temperature": 0.0,
                                            "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 3
@@ -205,7 +167,7 @@ def test_bad_requests_raise_a_clear_error_and_the_engine_keeps_serving(engine, k
     assert not engine.has_unfinished_requests
     out = engine.generate(input_ids=good, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 3
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 def test_a_bad_request_in_a_batch_enqueues_nothing(engine):
@@ -218,7 +180,7 @@ def test_a_bad_request_in_a_batch_enqueues_nothing(engine):
 def test_abort_frees_pages_of_running_and_waiting_requests(engine):
     rng = np.random.default_rng(6)
     params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
-    reqs = [engine.add_request(_random_prompt(rng, engine, 30), params) for _ in range(3)]
+    reqs = [engine.add_request(random_prompt(rng, engine, 30), params) for _ in range(3)]
     while len(reqs[1].output_ids) < 2:  # with overlap, a step's tokens arrive a step later
         engine.step()
     held = engine.scheduler.allocator.num_free + engine.scheduler.tree_cache.evictable_pages
@@ -227,18 +189,13 @@ def test_abort_frees_pages_of_running_and_waiting_requests(engine):
     # Its pages are free, or cached and evictable: nothing is locked for it any more.
     assert engine.scheduler.allocator.num_free + engine.scheduler.tree_cache.evictable_pages > held
     num_aborted_outputs = len(reqs[1].output_ids)
-    late = engine.add_request(_random_prompt(rng, engine, 10), params)
+    late = engine.add_request(random_prompt(rng, engine, 10), params)
     engine.abort_request(late)  # still waiting
     while engine.has_unfinished_requests:
         engine.step()
     assert len(reqs[0].output_ids) == len(reqs[2].output_ids) == 40
     assert len(reqs[1].output_ids) == num_aborted_outputs and late.output_ids == []
-    assert _all_pages_free(engine)
-
-
-def _elements(hlo_type: str) -> int:
-    dims = re.search(r"\[([\d,]*)\]", hlo_type).group(1)
-    return int(np.prod([int(d) for d in dims.split(",") if d]))
+    assert all_pages_free(engine)
 
 
 def test_no_executable_copies_the_kv_cache(engine):
@@ -249,32 +206,14 @@ def test_no_executable_copies_the_kv_cache(engine):
     assert_no_kv_cache_copy(engine.runner)
 
 
-def assert_no_kv_cache_copy(runner):
-    """`runner`'s executables update its donated KV cache in place (see the test above)."""
-    pool = runner.token_to_kv_pool
-    layer_elements = int(np.prod(pool.layer_shape))
-    layer_bytes = layer_elements * pool.dtype.itemsize
-    copy = re.compile(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(")
-    assert runner.executables
-    for key, executable in runner.executables.items():
-        big = [t for t in copy.findall(executable.as_text()) if _elements(t) >= layer_elements]
-        assert not big, f"{key[0]} copies KV-cache-sized arrays: {big}"
-        memory = executable.memory_analysis()
-        assert memory.temp_size_in_bytes < layer_bytes, (
-            f"{key[0]} needs {memory.temp_size_in_bytes} bytes of scratch, more than a layer's "
-            f"{layer_bytes}-byte cache")
-        # The donated cache comes back in the same buffer.
-        assert memory.alias_size_in_bytes >= pool.bytes, key[0]
-
-
 def test_a_running_requests_prompt_is_shared_before_it_finishes(engine):
     rng = np.random.default_rng(7)
-    prefix = _random_prompt(rng, engine, 64)
+    prefix = random_prompt(rng, engine, 64)
     params = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
-    first = engine.add_request(prefix + _random_prompt(rng, engine, 5), params)
+    first = engine.add_request(prefix + random_prompt(rng, engine, 5), params)
     while not first.output_ids:
         engine.step()
-    second = engine.add_request(prefix + _random_prompt(rng, engine, 9), params)
+    second = engine.add_request(prefix + random_prompt(rng, engine, 9), params)
     while not second.output_ids:
         engine.step()
     assert not first.finished
@@ -286,7 +225,7 @@ def test_a_running_requests_prompt_is_shared_before_it_finishes(engine):
     fresh = engine.generate(input_ids=second.origin_input_ids, sampling_params=params)
     assert second.output_ids == alone["output_ids"] == fresh["output_ids"]
     assert fresh["meta_info"]["cached_tokens"] == 0
-    assert _all_pages_free(engine)
+    assert all_pages_free(engine)
 
 
 @pytest.mark.parametrize("mode", list(ForwardMode), ids=lambda m: m.name)

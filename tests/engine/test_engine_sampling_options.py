@@ -11,7 +11,6 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 
@@ -42,12 +41,6 @@ def engine(checkpoint, engine_kwargs):
                     constrained_json_disable_any_whitespace=True, **engine_kwargs)
     yield engine
     engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf_llama(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint("tiny-llama"),
-                                                dtype=torch.float32).eval()
 
 
 def _free_requests(n, seed):

@@ -6,19 +6,12 @@ the prefix cache from the first given embedding on."""
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from jaxrunner.batch.input_embeds import make_override
-from tests.engine.test_engine import CompileCounter, engine  # noqa: F401 (a fixture)
-from tests.models.test_hf_parity import _prefill_logits
+from tests.support.engine import CompileCounter
+from tests.support.parity import prefill_logits
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def hf(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint("tiny-llama"),
-                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -53,34 +46,34 @@ def test_input_embeds_of_the_prompts_own_embeddings_give_identical_outputs(engin
     assert [o["meta_info"]["prompt_tokens"] for o in got] == [7, 600, 33]
 
 
-def _spliced_reference(hf, ids, positions, rows):
+def _spliced_reference(hf_llama, ids, positions, rows):
     """HF logits [n, V] of the prompt with the embeddings at `positions` replaced."""
     with torch.no_grad():
-        embeds = hf.model.embed_tokens(torch.tensor([ids]))
+        embeds = hf_llama.model.embed_tokens(torch.tensor([ids]))
         embeds[0, positions] = torch.from_numpy(rows)
-        return hf(inputs_embeds=embeds).logits[0].numpy()
+        return hf_llama(inputs_embeds=embeds).logits[0].numpy()
 
 
-def test_replace_embeds_changes_the_logits_from_the_replaced_positions_on(engine, hf):
+def test_replace_embeds_changes_the_logits_from_the_replaced_positions_on(engine, hf_llama):
     rng = np.random.default_rng(1)
     prompts = _prompts(engine, [40, 21], seed=1)
     hidden = engine.model_config.hidden_size
     positions = [17, 18, 30]
     rows = (rng.standard_normal((3, hidden)) * 0.5).astype(np.float32)
     override = make_override(rows, positions, len(prompts[0]), hidden)
-    replaced, plain = _prefill_logits(engine, prompts, [override, None])[0]
-    original, _ = _prefill_logits(engine, prompts, [None, None])[0]
-    want = _spliced_reference(hf, prompts[0], positions, rows)
+    replaced, plain = prefill_logits(engine, prompts, [override, None])[0]
+    original, _ = prefill_logits(engine, prompts, [None, None])[0]
+    want = _spliced_reference(hf_llama, prompts[0], positions, rows)
     rel = np.abs(replaced - want).max() / np.abs(want).max()
     assert rel < 1e-4, f"relative error {rel:.2e} against HF on the spliced embeddings"
     np.testing.assert_allclose(replaced[:17], original[:17], rtol=1e-5, atol=1e-5)
     assert (np.abs(replaced[17:] - original[17:]).max(axis=-1) > 1e-3).all()
     # The token prompt beside it in the batch is untouched.
-    np.testing.assert_allclose(plain, _spliced_reference(hf, prompts[1], [], np.zeros((0, hidden),
-                               np.float32)), rtol=1e-4, atol=1e-4 * np.abs(plain).max())
+    untouched = _spliced_reference(hf_llama, prompts[1], [], np.zeros((0, hidden), np.float32))
+    np.testing.assert_allclose(plain, untouched, rtol=1e-4, atol=1e-4 * np.abs(plain).max())
 
 
-def test_generation_continues_from_the_spliced_prompt_as_hf_does(engine, hf):
+def test_generation_continues_from_the_spliced_prompt_as_hf_does(engine, hf_llama):
     rng = np.random.default_rng(2)
     (prompt,) = _prompts(engine, [25], seed=2)
     positions = [3, 4, 5, 6]
@@ -91,12 +84,13 @@ def test_generation_continues_from_the_spliced_prompt_as_hf_does(engine, hf):
     assert compiles.count == 0
     ids = list(prompt)
     with torch.no_grad():
-        embeds = hf.model.embed_tokens(torch.tensor([ids]))
+        embeds = hf_llama.model.embed_tokens(torch.tensor([ids]))
         embeds[0, positions] = torch.from_numpy(rows)
         for _ in range(GREEDY["max_new_tokens"]):
-            token = int(hf(inputs_embeds=embeds).logits[0, -1].argmax())
+            token = int(hf_llama(inputs_embeds=embeds).logits[0, -1].argmax())
             ids.append(token)
-            embeds = torch.cat([embeds, hf.model.embed_tokens(torch.tensor([[token]]))], dim=1)
+            new = hf_llama.model.embed_tokens(torch.tensor([[token]]))
+            embeds = torch.cat([embeds, new], dim=1)
     assert out["output_ids"] == ids[len(prompt):]
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from jaxrunner import Engine
 from jaxrunner.engine.lifecycle import EngineNotReadyError
 from models.testing.random_checkpoint import cached_checkpoint
-from tests.engine.test_engine import CompileCounter
+from tests.support.engine import CompileCounter
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 33]

@@ -15,7 +15,7 @@ import pytest
 
 import kernels_cpu
 from kernels_pallas import ragged_paged_attention_reference
-from tests.kernels.ragged_cases import Case, make_inputs, naive_attention, tolerance
+from tests.support.ragged_cases import Case, make_inputs, naive_attention, tolerance
 
 CASES = [
     Case(seqs=((1, 5), (1, 40), (1, 17), (1, 64))),  # decode only, MHA

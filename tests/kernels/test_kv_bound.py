@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 import kernels_cpu
-from kernels_pallas import (ragged_paged_attention_gpu, ragged_paged_attention_reference,
-                            ragged_paged_attention_tpu)
-from tests.kernels.ragged_cases import Case, make_inputs, naive_attention, tolerance
-from tests.kernels.test_ragged_paged_attention import SMALL_BLOCKS, _kernel_runs
+from kernels_pallas import ragged_paged_attention_reference
+from tests.support.attention import PALLAS_KERNELS, SMALL_BLOCKS, kernel_runs
+from tests.support.ragged_cases import Case, make_inputs, naive_attention, tolerance
 
 CASES = [
     # DLLM steps: blocks of 4 on prefixes, one request mid-prompt (prefill of whole blocks).
@@ -25,7 +24,6 @@ CASES = [
     Case(seqs=((8, 40), (5, 21)), group=2, sliding_window=6, soft_cap=5.0, q_scale=4.0,
          bound="block:8"),
 ]
-KERNELS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
 
 
 def _check(case, inputs, out, expected=None):
@@ -69,12 +67,12 @@ def test_cpu_kernel_with_bound(case):
     assert (np.asarray(out)[inputs.num_real_tokens:] == 0).all()
 
 
-@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("backend, interpret", kernel_runs())
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_pallas_kernel_with_bound(case, backend, interpret):
     inputs = make_inputs(case, seed=9)
-    out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
-                           interpret=interpret)
+    out = PALLAS_KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
+                                  interpret=interpret)
     _check(case, inputs, out)
 
 

@@ -2,21 +2,19 @@
 
 On CPU both kernels run in Pallas interpret mode; on a GPU (TPU) host the GPU (TPU) kernel runs
 compiled, which is what scripts/device_check.sh relies on. Unused pages, page tails and padded
-sequences are NaN (see ragged_cases.py) and must not reach real tokens.
+sequences are NaN (see tests/support/ragged_cases.py) and must not reach real tokens.
 
 Cases cover each dimension once or twice rather than the full product, to keep the interpreted
 suite fast on 2 cores.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import (ragged_paged_attention, ragged_paged_attention_gpu,
-                            ragged_paged_attention_reference, ragged_paged_attention_tpu)
-from kernels_pallas.ragged_paged_attention.tuning import GpuBlockSizes, TpuBlockSizes
-from tests.kernels.ragged_cases import Case, make_inputs, tolerance
+from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
+from tests.support.attention import PALLAS_KERNELS, SMALL_BLOCKS, kernel_runs
+from tests.support.ragged_cases import Case, make_inputs, tolerance
 
 KERNEL_CASES = [
     Case(seqs=((1, 5), (1, 40), (1, 17), (1, 64))),  # decode only, MHA
@@ -37,25 +35,11 @@ KERNEL_CASES = [
     Case(seqs=((1, 37), (6, 22)), num_kv_heads=4, group=2, head_dim=64, kv_dtype="float8_e5m2"),
     Case(seqs=((5, 90), (1, 70)), group=8, num_kv_heads=1, head_dim=64, page_size=64,
          sliding_window=20, kv_dtype="float8_e4m3fn"),
+    # head_dim 256 (Gemma): the TPU kernel reads each row as two 128-lane chunks.
+    Case(seqs=((1, 37), (6, 22), (1, 1)), group=2, head_dim=256, dtype="bfloat16"),
+    Case(seqs=((5, 40), (1, 70)), group=2, head_dim=256, sliding_window=20, soft_cap=30.0,
+         q_scale=4.0, kv_dtype="float8_e4m3fn"),
 ]
-
-# Small blocks so a few tokens already span several query blocks, KV blocks and KV splits.
-SMALL_BLOCKS = {
-    "tpu": TpuBlockSizes(q_tokens=16, kv_pages=2),
-    "gpu": GpuBlockSizes(q_tokens=4, kv_pages=1, num_kv_splits=2),
-}
-KERNELS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
-
-
-def _kernel_runs():
-    """(backend, interpret) pairs runnable here: compiled on a matching device, else interpreted."""
-    platform = jax.default_backend()
-    if platform == "gpu":
-        return [pytest.param("gpu", False, id="gpu-compiled")]
-    if platform == "tpu":
-        return [pytest.param("tpu", False, id="tpu-compiled")]
-    return [pytest.param("tpu", True, id="tpu-interpret"),
-            pytest.param("gpu", True, id="gpu-interpret")]
 
 
 def _assert_matches_reference(case, inputs, out):
@@ -68,16 +52,16 @@ def _assert_matches_reference(case, inputs, out):
                                atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("backend, interpret", kernel_runs())
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_kernel_matches_reference_small_blocks(case, backend, interpret):
     inputs = make_inputs(case, seed=7)
-    out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
-                           interpret=interpret)
+    out = PALLAS_KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
+                                  interpret=interpret)
     _assert_matches_reference(case, inputs, out)
 
 
-@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("backend, interpret", kernel_runs())
 @pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[7]], ids=str)
 def test_kernel_matches_reference_tuned_blocks(case, backend, interpret):
     """The public entry point with the block sizes the tuning table/heuristic picks."""
@@ -87,14 +71,14 @@ def test_kernel_matches_reference_tuned_blocks(case, backend, interpret):
     _assert_matches_reference(case, inputs, out)
 
 
-@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("backend, interpret", kernel_runs())
 def test_kernel_with_no_sequences_is_finite(backend, interpret):
     """A fully padded batch (num_seqs == 0) must not read any page nor produce NaN."""
     inputs = make_inputs(Case(seqs=((1, 8),)), seed=0)
     q, kv_cache, kv_lens, page_indices, cu_q_lens, _ = inputs.args
     num_seqs = np.zeros((1,), np.int32)
-    out = KERNELS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens, jnp.asarray(num_seqs),
-                           **inputs.kwargs, interpret=interpret)
+    out = PALLAS_KERNELS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens,
+                                  jnp.asarray(num_seqs), **inputs.kwargs, interpret=interpret)
     assert np.isfinite(np.asarray(out)).all()
 
 
@@ -112,11 +96,11 @@ def _random_case(seed: int) -> Case:
                 padded_seqs=int(rng.integers(0, 3)), padded_tokens=int(rng.integers(0, 5)))
 
 
-@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("backend, interpret", kernel_runs())
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_kernel_matches_reference_random_batches(seed, backend, interpret):
     case = _random_case(seed)
     inputs = make_inputs(case, seed=seed)
-    out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
-                           interpret=interpret)
+    out = PALLAS_KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
+                                  interpret=interpret)
     _assert_matches_reference(case, inputs, out)

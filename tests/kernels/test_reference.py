@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
-from tests.kernels.ragged_cases import Case, make_inputs, naive_attention, tolerance
+from tests.support.ragged_cases import Case, make_inputs, naive_attention, tolerance
 
 REFERENCE_CASES = [
     Case(seqs=((1, 5), (1, 40), (1, 17))),  # decode only

@@ -14,15 +14,15 @@ import pytest
 from jaxrunner.attention import AttentionConfig, NativeAttentionBackend
 from jaxrunner.batch.forward_batch import ForwardBatch
 import kernels_cpu
-from kernels_pallas import (
-    pack_tree_mask,
-    ragged_paged_attention_gpu,
-    ragged_paged_attention_reference,
-    ragged_paged_attention_tpu,
+from kernels_pallas import pack_tree_mask, ragged_paged_attention_reference
+from tests.support.attention import (
+    PALLAS_KERNELS,
+    SMALL_BLOCKS,
+    dense_attention,
+    kernel_runs,
+    make_batch,
 )
-from tests.attention.test_native_attention import dense_attention, make_batch
-from tests.kernels.ragged_cases import Case, make_inputs, tolerance
-from tests.kernels.test_ragged_paged_attention import SMALL_BLOCKS, _kernel_runs
+from tests.support.ragged_cases import Case, make_inputs, tolerance
 
 # (case, random bits instead of a tree)
 CASES = [
@@ -31,7 +31,6 @@ CASES = [
     (Case(seqs=((6, 30), (16, 16)), group=2, dtype="bfloat16"), False),
     (Case(seqs=((8, 24), (5, 9)), group=2, soft_cap=5.0, q_scale=4.0), True),
 ]
-KERNELS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
 
 
 def random_tree(rng, n: int) -> np.ndarray:
@@ -121,12 +120,12 @@ def test_cpu_kernel_with_tree(case, random_bits):
     assert (np.asarray(out)[inputs.num_real_tokens:] == 0).all()
 
 
-@pytest.mark.parametrize("backend, interpret", _kernel_runs())
+@pytest.mark.parametrize("backend, interpret", kernel_runs())
 @pytest.mark.parametrize("case, random_bits", CASES[:2] + CASES[3:], ids=str)
 def test_pallas_kernel_with_tree(case, random_bits, backend, interpret):
     inputs, _ = with_tree(case, random_bits, seed=6)
-    out = KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
-                           interpret=interpret)
+    out = PALLAS_KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
+                                  interpret=interpret)
     _check(case, inputs, out, _reference(inputs))
 
 

@@ -8,70 +8,13 @@ import json
 import shutil
 
 import jax
-import numpy as np
-from peft import PeftModel
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from models.testing.random_lora import make_lora_adapter
-from tests.engine.test_engine import test_no_executable_copies_the_kv_cache as _check_no_kv_copy
-
-ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ALL = ATTN + ["gate_proj", "up_proj", "down_proj"]
-# 16 ragged prompts (some past a page): EXTEND steps mixing every adapter, then DECODE steps of
-# all 16 together. Few buckets (a prefill budget of 32 tokens, so prompts are chunked too): a
-# LoRA engine compiles executables of its own.
-PROMPT_LENS = [1, 3, 17, 5, 9, 2, 20, 4, 6, 8, 11, 7, 3, 12, 5, 10]
-MAX_NEW = 8
-LORA_ENGINE = dict(max_running_requests=16, max_prefill_tokens=32, max_loras_per_batch=2,
-                   max_lora_rank=16)
-
-
-def _prompts(vocab, lens=PROMPT_LENS, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, size=n).tolist() for n in lens]
-
-
-class PeftReference:
-    """Greedy tokens of PEFT's generate, per adapter name (None: the base model)."""
-
-    def __init__(self, base, adapters: dict):
-        hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-        names = list(adapters)
-        self.model = PeftModel.from_pretrained(hf, str(adapters[names[0]]),
-                                               adapter_name=names[0])
-        for name in names[1:]:
-            self.model.load_adapter(str(adapters[name]), adapter_name=name)
-        self._cache = {}
-
-    def generate(self, prompt, adapter, max_new=MAX_NEW):
-        key = (tuple(prompt), adapter, max_new)
-        if key not in self._cache:
-            self._cache[key] = self._generate(prompt, adapter, max_new)
-        return self._cache[key]
-
-    def _generate(self, prompt, adapter, max_new):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            if adapter is None:
-                with self.model.disable_adapter():
-                    out = self.model.generate(input_ids=ids, max_new_tokens=max_new,
-                                              do_sample=False)
-            else:
-                self.model.set_adapter(adapter)
-                out = self.model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
-        return out[0, len(prompt):].tolist()
-
-
-def _check_against_peft(engine, ref, prompts, adapters):
-    outs = engine.generate(input_ids=prompts, lora_path=adapters,
-                           sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0})
-    for i, (prompt, name, out) in enumerate(zip(prompts, adapters, outs)):
-        assert out["output_ids"] == ref.generate(prompt, name), \
-            f"request {i} ({len(prompt)} tokens, adapter {name})"
-    return outs
+from tests.support.engine import assert_no_kv_cache_copy
+from tests.support.lora import ALL, ATTN, MAX_NEW, PeftReference, check_against_peft, lora_prompts
+from tests.support.presets import LORA_ENGINE
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +44,9 @@ def lora_engine(adapters, engine_kwargs):
 
 def test_mixed_batch_matches_peft(lora_engine):
     engine, ref, _ = lora_engine
-    prompts = _prompts(engine.model_config.vocab_size)
+    prompts = lora_prompts(engine.model_config.vocab_size)
     names = [[None, "attn8", "all16"][i % 3] for i in range(len(prompts))]
-    outs = _check_against_peft(engine, ref, prompts, names)
+    outs = check_against_peft(engine, ref, prompts, names)
     # The adapters change the tokens (else the comparison above would prove little).
     base = [ref.generate(p, None) for p in prompts]
     for name in ("attn8", "all16"):
@@ -113,7 +56,7 @@ def test_mixed_batch_matches_peft(lora_engine):
 
 def test_no_copy_of_the_kv_cache_or_the_adapter_pool(lora_engine):
     engine = lora_engine[0]
-    _check_no_kv_copy(engine)
+    assert_no_kv_cache_copy(engine.runner)
     pool = engine.runner.lora_pool
     pool_bytes = sum(x.nbytes for x in jax.tree.leaves(pool.arrays))
     # A swap writes its slot into the donated pool in place.
@@ -126,9 +69,9 @@ def test_more_adapters_than_slots_load_and_unload(lora_engine):
     engine.load_lora_adapter("all8", str(paths["all8"]))
     engine.load_lora_adapter("attn16", str(paths["attn16"]))
     evictions = registry.num_evictions
-    prompts = _prompts(engine.model_config.vocab_size, seed=1)
+    prompts = lora_prompts(engine.model_config.vocab_size, seed=1)
     names = [[None, "attn8", "all16", "all8", "attn16"][i % 5] for i in range(len(prompts))]
-    _check_against_peft(engine, ref, prompts, names)
+    check_against_peft(engine, ref, prompts, names)
     assert registry.num_evictions > evictions  # four adapters through two slots
     assert registry.pins == [0, 0]
     # Unloaded: refused by name, and the engine keeps serving the others.
@@ -136,13 +79,13 @@ def test_more_adapters_than_slots_load_and_unload(lora_engine):
         "attn8", "all16", "attn16"}
     with pytest.raises(ValueError, match="unknown LoRA adapter 'all8'"):
         engine.generate(input_ids=prompts[0], lora_path="all8")
-    _check_against_peft(engine, ref, prompts[:3], ["attn16", None, "attn8"])
+    check_against_peft(engine, ref, prompts[:3], ["attn16", None, "attn8"])
     assert engine.compile_monitor.count == engine.runner.warm_compile_count
 
 
 def test_prefix_cache_is_keyed_by_adapter(lora_engine):
     engine, ref, _ = lora_engine
-    prompt = _prompts(engine.model_config.vocab_size, lens=[40], seed=2)[0]  # 2 whole pages
+    prompt = lora_prompts(engine.model_config.vocab_size, lens=[40], seed=2)[0]  # 2 whole pages
     params = {"max_new_tokens": MAX_NEW, "temperature": 0.0}
     first = engine.generate(input_ids=prompt, lora_path="attn8", sampling_params=params)
     again = engine.generate(input_ids=prompt, lora_path="attn8", sampling_params=params)
@@ -175,7 +118,7 @@ def test_bad_adapters_are_named(lora_engine, tmp_path):
         engine.load_lora_adapter("attn8", str(paths["attn8"]))
     assert "big" not in engine.loaded_lora_adapters()
     # Still serving, with no compile.
-    _check_against_peft(engine, ref, [[5, 6, 7]], ["all16"])
+    check_against_peft(engine, ref, [[5, 6, 7]], ["all16"])
     assert engine.compile_monitor.count == engine.runner.warm_compile_count
 
 

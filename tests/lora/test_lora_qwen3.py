@@ -3,14 +3,8 @@ monitor forbids compiles while it lives, so two engines must not overlap)."""
 
 from jaxrunner import Engine
 from models.testing.random_lora import make_lora_adapter
-from tests.lora.test_lora import (
-    ALL,
-    ATTN,
-    LORA_ENGINE,
-    PeftReference,
-    _check_against_peft,
-    _prompts,
-)
+from tests.support.lora import ALL, ATTN, PeftReference, check_against_peft, lora_prompts
+from tests.support.presets import LORA_ENGINE
 
 
 def test_qwen3_mixed_batch_matches_peft(checkpoint, engine_kwargs, tmp_path_factory):
@@ -28,9 +22,9 @@ def test_qwen3_mixed_batch_matches_peft(checkpoint, engine_kwargs, tmp_path_fact
         assert engine.args.lora_target_modules == ",".join(ALL)
         assert engine.args.max_lora_rank == 16
         ref = PeftReference(base, paths)
-        prompts = _prompts(engine.model_config.vocab_size, seed=3)
+        prompts = lora_prompts(engine.model_config.vocab_size, seed=3)
         names = [["r16", None, "r8"][i % 3] for i in range(len(prompts))]
-        _check_against_peft(engine, ref, prompts, names)
+        check_against_peft(engine, ref, prompts, names)
         assert engine.compile_monitor.count == engine.runner.warm_compile_count
     finally:
         engine.shutdown()

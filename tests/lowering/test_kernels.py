@@ -13,9 +13,6 @@ decode-shaped and a mixed-shaped batch (their block sizes differ), and then:
 show what each kernel needs.
 """
 
-import dataclasses
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,81 +24,16 @@ from jaxrunner.attention import AttentionConfig, PallasAttentionBackend
 from kernels_pallas import ragged_paged_attention_gpu, ragged_paged_attention_tpu
 from kernels_pallas import lowering
 from kernels_pallas.lowering import H200, TPU_V5E, TPU_V6E, TPU_V7X
+from tests.kernels.kernel_configs import CONFIGS, KernelConfig
 
 # Every Triton lowering warns that Pallas's Triton backend is deprecated (DESIGN.md).
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-HEAD_DIMS = (64, 128)
-PAGE_SIZES = (16, 64)
-GROUPS = (1, 4, 8)  # query heads per KV head: MHA and GQA
-DTYPES = ("float32", "bfloat16")
 TPU_TARGETS = (TPU_V5E, TPU_V6E, TPU_V7X)
-# (tokens, sequences): decode only, and prefill chunks mixed with decode rows.
-SHAPES = {"decode": (64, 64), "mixed": (512, 8)}
-CONTEXT = 4096  # tokens per sequence at most: pages_per_seq = CONTEXT // page_size
+# Lowering takes the decode- and mixed-shaped batches (their block sizes differ); the compile
+# tests (test_kernel_compile.py) take the engine's largest prefill too.
+SHAPES = ("decode", "mixed")
 
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    head_dim: int
-    page_size: int
-    group: int
-    dtype: str
-    num_kv_heads: int = 2
-    sliding_window: int | None = None
-    soft_cap: float | None = None
-    kv_dtype: str | None = None  # an 8-bit cache (q stays in `dtype`)
-    bounded: bool = False  # a per-token kv_bound (block-diffusion steps)
-    tree_words: int = 0  # a draft tree's kv_tree_mask of this many words per token (0: none)
-
-    def __str__(self):
-        extra = (f"-win{self.sliding_window}" if self.sliding_window else "") + (
-            f"-cap{self.soft_cap}" if self.soft_cap else "") + (
-            f"-kv-{self.kv_dtype}" if self.kv_dtype else "") + (
-            "-bound" if self.bounded else "") + (
-            f"-tree{self.tree_words}" if self.tree_words else "")
-        return (f"d{self.head_dim}-ps{self.page_size}-g{self.group}-kvh{self.num_kv_heads}-"
-                f"{self.dtype}{extra}")
-
-    def specs(self, shape: str):
-        num_tokens, num_seqs = SHAPES[shape]
-        pages_per_seq = CONTEXT // self.page_size
-        dtype = jnp.dtype(self.dtype)
-        i32 = jnp.int32
-        return (jax.ShapeDtypeStruct((num_tokens, self.num_kv_heads * self.group, self.head_dim),
-                                     dtype),
-                jax.ShapeDtypeStruct((num_seqs * pages_per_seq + 1, self.page_size,
-                                      2 * self.num_kv_heads, self.head_dim),
-                                     jnp.dtype(self.kv_dtype or dtype)),
-                jax.ShapeDtypeStruct((num_seqs,), i32),
-                jax.ShapeDtypeStruct((num_seqs, pages_per_seq), i32),
-                jax.ShapeDtypeStruct((num_seqs + 1,), i32),
-                jax.ShapeDtypeStruct((1,), i32)) + (
-                    (jax.ShapeDtypeStruct((num_tokens,), i32),) if self.bounded else ()) + (
-                    (jax.ShapeDtypeStruct((num_tokens, self.tree_words), i32),)
-                    if self.tree_words else ())
-
-    def kernel(self, fn):
-        return lambda *args: fn(*args[:6], kv_bound=args[6] if self.bounded else None,
-                                kv_tree_mask=args[-1] if self.tree_words else None,
-                                sm_scale=self.head_dim ** -0.5,
-                                sliding_window=self.sliding_window, soft_cap=self.soft_cap)
-
-
-CONFIGS = [KernelConfig(*c) for c in itertools.product(HEAD_DIMS, PAGE_SIZES, GROUPS, DTYPES)] + [
-    KernelConfig(128, 16, 4, "bfloat16", sliding_window=512),
-    KernelConfig(64, 64, 8, "float32", soft_cap=30.0),
-    KernelConfig(64, 16, 2, "bfloat16", num_kv_heads=4, sliding_window=256, soft_cap=50.0),
-    KernelConfig(128, 64, 8, "bfloat16", num_kv_heads=1),
-    KernelConfig(128, 16, 4, "bfloat16", bounded=True),
-    KernelConfig(64, 16, 2, "float32", sliding_window=256, bounded=True),
-    KernelConfig(128, 16, 4, "bfloat16", tree_words=1),  # draft trees' verify steps
-    KernelConfig(64, 16, 2, "float32", tree_words=2),
-    # 8-bit caches: four rows per 32-bit word (two heads' K/V, four packed heads, one packed).
-    KernelConfig(128, 16, 4, "float32", kv_dtype="float8_e4m3fn"),
-    KernelConfig(64, 16, 2, "float32", num_kv_heads=4, kv_dtype="float8_e5m2"),
-    KernelConfig(64, 64, 8, "float32", num_kv_heads=1, kv_dtype="float8_e4m3fn"),
-]
 # Triton compiles take a second or more each (several under load), so a covering few: head_dim
 # 128 in bfloat16 and head_dim 64 in bfloat16 with every mask (a window, a soft cap, 4 KV heads) at
 # both shapes, float32 at the decode shape (the blocks and the shared memory follow head_dim and
@@ -114,21 +46,6 @@ PTX_SHAPES.update({c: tuple(SHAPES) for c in CONFIGS if c.sliding_window and c.s
 PTX_SHAPES[KernelConfig(128, 16, 4, "bfloat16", bounded=True)] = tuple(SHAPES)
 PTX_SHAPES[KernelConfig(128, 16, 4, "bfloat16", tree_words=1)] = ("decode",)
 PTX_SHAPES.update({c: ("decode",) for c in CONFIGS if c.kv_dtype})
-
-
-@pytest.fixture(scope="module")
-def triton(tmp_path_factory):
-    """The `triton` package (it comes with torch on Linux; None where it is missing), its kernel
-    cache in this session's temp dir rather than the user's home."""
-    try:
-        import triton  # noqa: PLC0415
-    except ImportError:
-        yield None
-        return
-    previous = triton.knobs.cache.dir
-    triton.knobs.cache.dir = str(tmp_path_factory.mktemp("triton_cache"))
-    yield triton
-    triton.knobs.cache.dir = previous
 
 
 @pytest.mark.parametrize("i, config", list(enumerate(CONFIGS)), ids=lambda v: str(v))
@@ -164,8 +81,8 @@ def test_gpu_kernel_lowers_and_triton_compiles_it(config, triton):
 
 
 @pytest.mark.parametrize("backend, config, message", [
-    ("tpu", KernelConfig(96, 16, 1, "float32"), "head_dim 64 or 128"),
-    ("tpu", KernelConfig(256, 16, 1, "bfloat16"), "head_dim 64 or 128"),
+    ("tpu", KernelConfig(96, 16, 1, "float32"), "head_dim 64, 128 or 256"),
+    ("tpu", KernelConfig(512, 16, 1, "bfloat16"), "head_dim 64, 128 or 256"),
     # [K | V] rows of two heads share a 32-bit word: an odd number of heads leaves one alone.
     ("tpu", KernelConfig(64, 16, 1, "bfloat16", num_kv_heads=3), "1 or an even number"),
     # one bfloat16 row per token: a page of 8 rows is not a whole (16, 128) tile.

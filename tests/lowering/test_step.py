@@ -6,9 +6,6 @@ here. The kernels inside are checked as in test_kernels.py: the Mosaic kernel ag
 the Triton kernel compiled to PTX.
 """
 
-from pathlib import Path
-import sys
-
 import jax
 import pytest
 
@@ -18,37 +15,10 @@ from jaxrunner.config import EngineArgs
 from jaxrunner.runner.model_runner import lower_only
 from kernels_pallas import lowering
 from kernels_pallas.lowering import H200, TPU_V6E, TPU_V7X
-from models.config import ModelConfig
-from models.testing.random_checkpoint import hf_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from model_configs import LLAMA3_8B  # noqa: E402 (after the path above)
+from tests.support.lowering import DECODE, EXTEND, check_kernels, donated_inputs, lowering_model
+from tests.support.presets import LOWERING_ENGINE
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-
-KERNEL_CALL = {"tpu": lowering.TPU_CUSTOM_CALL, "cuda": lowering.TRITON_CUSTOM_CALL}
-SMALL = dict(model_path="unused", dtype="bfloat16", attention_backend="pallas",
-             max_total_tokens=4096, max_running_requests=8, max_prefill_tokens=64,
-             compilation_cache_dir=None, show_progress=False)
-DECODE = Bucket(ForwardMode.DECODE, 8, 8)
-EXTEND = Bucket(ForwardMode.EXTEND, 64, 8)
-
-
-def _model(preset: str) -> ModelConfig:
-    if preset == "llama3-8b":
-        return ModelConfig.from_dict(LLAMA3_8B)
-    return ModelConfig.from_dict(hf_config(preset, "bfloat16"))
-
-
-def _check_kernels(exported, target) -> None:
-    """One attention kernel in the step (the layers are one scanned body), and it fits."""
-    assert lowering.custom_call_targets(exported) == [KERNEL_CALL[target.platform]]
-    if target.platform == "tpu":
-        [kernel] = lowering.mosaic_kernels(exported)
-        assert lowering.mosaic_problems(kernel, target) == []
-    else:
-        [kernel] = lowering.triton_kernels(exported)
-        assert kernel.name == "ragged_paged_attention_gpu"
 
 
 @pytest.mark.parametrize("target", [TPU_V6E, H200], ids=str)
@@ -56,15 +26,16 @@ def _check_kernels(exported, target) -> None:
 def test_decode_and_extend_steps_and_sampler_lower(target, preset, tp_size):
     """tiny-qwen3 (q/k norm, 8 query heads over 2 KV heads, tied embeddings) on two devices:
     the attention runs per tensor-parallel shard under shard_map."""
-    runner = lower_only(EngineArgs(**SMALL, tp_size=tp_size), _model(preset), target)
+    args = EngineArgs(**LOWERING_ENGINE, tp_size=tp_size)
+    runner = lower_only(args, lowering_model(preset), target)
     assert runner.attention_backend_name == "pallas" and runner.platform == target.platform
     assert DECODE in runner.buckets and EXTEND in runner.buckets
     for bucket in (DECODE, EXTEND):
         exported = runner.export_step(bucket)
         assert exported.platforms == (target.platform,)
-        _check_kernels(exported, target)
+        check_kernels(exported, target)
         # The KV cache, the first input after the weights, is still donated (updated in place).
-        assert _donated_inputs(exported) == {len(jax.tree.leaves(runner.state))}
+        assert donated_inputs(exported) == {len(jax.tree.leaves(runner.state))}
     sampler = runner.export_sampler(max(b.num_reqs for b in runner.buckets))
     assert sampler.platforms == (target.platform,)
 
@@ -73,28 +44,19 @@ def test_decode_and_extend_steps_and_sampler_lower(target, preset, tp_size):
 def test_block_diffusion_steps_lower(target):
     """tiny-sdar's DLLM_EXTEND step (the kernels with a per-token KV bound, the commits on the
     device) and its block-causal prefill, on two devices."""
-    args = EngineArgs(**SMALL, tp_size=2, dllm_algorithm="LowConfidence")
-    runner = lower_only(args, _model("tiny-sdar"), target)
+    args = EngineArgs(**LOWERING_ENGINE, tp_size=2, dllm_algorithm="LowConfidence")
+    runner = lower_only(args, lowering_model("tiny-sdar"), target)
     dllm = Bucket(ForwardMode.DLLM_EXTEND, 8 * runner.dllm.block_size, 8)
     assert dllm in runner.buckets and DECODE not in runner.buckets
     for bucket in (dllm, EXTEND):
         exported = runner.export_step(bucket)
-        _check_kernels(exported, target)
-        assert _donated_inputs(exported) == {len(jax.tree.leaves(runner.state))}
-
-
-def _donated_inputs(exported) -> set[int]:
-    """Indices of the main function's arguments that alias an output or are donated."""
-    text = exported.mlir_module()
-    main = text[text.index("func.func public @main("):]
-    args = main[:main.index("\n")].split("%arg")[1:]
-    return {int(a.split(":")[0]) for a in args
-            if "tf.aliasing_output" in a or "jax.buffer_donor" in a}
+        check_kernels(exported, target)
+        assert donated_inputs(exported) == {len(jax.tree.leaves(runner.state))}
 
 
 def test_the_gpu_step_kernel_compiles_to_ptx():
     pytest.importorskip("triton")
-    runner = lower_only(EngineArgs(**SMALL), _model("tiny-llama"), H200)
+    runner = lower_only(EngineArgs(**LOWERING_ENGINE), lowering_model("tiny-llama"), H200)
     [kernel] = lowering.triton_kernels(runner.export_step(DECODE))
     binary = lowering.compile_triton(kernel, H200)
     assert binary.shared_bytes <= H200.shared_memory_bytes
@@ -105,11 +67,11 @@ def test_an_8b_model_at_the_engines_tpu_defaults_lowers_and_fits():
     tokens): the largest decode and extend buckets, whose blocks and page table are the largest."""
     args = EngineArgs(model_path="unused", dtype="bfloat16", max_total_tokens=1 << 20,
                       compilation_cache_dir=None, show_progress=False)
-    runner = lower_only(args, _model("llama3-8b"), TPU_V7X)
+    runner = lower_only(args, lowering_model("llama3-8b"), TPU_V7X)
     assert (runner.args.max_running_requests, runner.args.max_prefill_tokens) == (256, 8192)
     for mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
         bucket = max(b for b in runner.buckets if b.mode == mode)
-        _check_kernels(runner.export_step(bucket), TPU_V7X)
+        check_kernels(runner.export_step(bucket), TPU_V7X)
 
 
 def test_a_long_context_caps_the_tpu_default_batch_to_the_smem_and_an_explicit_one_is_refused():
@@ -117,12 +79,12 @@ def test_a_long_context_caps_the_tpu_default_batch_to_the_smem_and_an_explicit_o
     holds the page table of 24 requests, not 256."""
     args = dict(model_path="unused", dtype="bfloat16", max_total_tokens=1 << 20,
                 context_length=131072, compilation_cache_dir=None, show_progress=False)
-    runner = lower_only(EngineArgs(**args), _model("llama3-8b"), TPU_V6E)
+    runner = lower_only(EngineArgs(**args), lowering_model("llama3-8b"), TPU_V6E)
     assert runner.args.max_running_requests == 24
     decode = max(b for b in runner.buckets if b.mode == ForwardMode.DECODE)
-    _check_kernels(runner.export_step(decode), TPU_V6E)
+    check_kernels(runner.export_step(decode), TPU_V6E)
 
-    runner = lower_only(EngineArgs(**args, max_running_requests=256), _model("llama3-8b"),
+    runner = lower_only(EngineArgs(**args, max_running_requests=256), lowering_model("llama3-8b"),
                         TPU_V6E)
     decode = max(b for b in runner.buckets if b.mode == ForwardMode.DECODE)
     with pytest.raises(ValueError, match=r"page table i32\[256, 8192\] in SMEM.*"
@@ -131,15 +93,15 @@ def test_a_long_context_caps_the_tpu_default_batch_to_the_smem_and_an_explicit_o
 
 
 def test_lowering_for_another_platform_needs_max_total_tokens():
-    args = EngineArgs(**dict(SMALL, max_total_tokens=None))
+    args = EngineArgs(**dict(LOWERING_ENGINE, max_total_tokens=None))
     with pytest.raises(ValueError, match="needs max_total_tokens"):
-        lower_only(args, _model("tiny-llama"), TPU_V6E)
+        lower_only(args, lowering_model("tiny-llama"), TPU_V6E)
 
 
 def test_a_model_the_kernel_cannot_serve_is_refused_when_the_backend_is_built():
-    cfg = _model("tiny-llama")
+    cfg = lowering_model("tiny-llama")
     with pytest.raises(ValueError, match="page_size a power of two >= 16"):
-        lower_only(EngineArgs(**dict(SMALL, page_size=8)), cfg, H200)
+        lower_only(EngineArgs(**dict(LOWERING_ENGINE, page_size=8)), cfg, H200)
     # The TPU kernel takes it: a page of 8 tokens is 16 packed bfloat16 rows (2 KV heads of 64).
-    runner = lower_only(EngineArgs(**dict(SMALL, page_size=8)), cfg, TPU_V6E)
-    _check_kernels(runner.export_step(DECODE), TPU_V6E)
+    runner = lower_only(EngineArgs(**dict(LOWERING_ENGINE, page_size=8)), cfg, TPU_V6E)
+    check_kernels(runner.export_step(DECODE), TPU_V6E)

@@ -13,11 +13,13 @@ from jaxrunner import Engine
 from jaxrunner.mem_cache import kv_cache as kv_cache_module
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
-from tests.engine.test_engine import _elements
-from tests.models.test_hf_parity import _prefill_logits
+from tests.support.engine import hlo_elements
+from tests.support.parity import prefill_logits
 
-SMALL = dict(dtype="bfloat16", max_running_requests=2, max_prefill_tokens=128,
-             max_total_tokens=None, mem_fraction_static=0.8)
+# bfloat16 (the fp8 cache's reference), both prompts in one prefill, and a KV cache that
+# mem_fraction_static sizes (no max_total_tokens).
+KV_BUDGET_ENGINE = dict(dtype="bfloat16", max_running_requests=2, max_prefill_tokens=128,
+                        max_total_tokens=None, mem_fraction_static=0.8)
 PROMPT_LENS = (37, 90)   # one EXTEND batch of both
 NEW_TOKENS = 12
 # What the KV cache may take beyond the weights: small enough that this budget, not
@@ -31,7 +33,7 @@ def _host_bytes(path) -> int:
     model = nnx.eval_shape(lambda: LlamaForCausalLM(ModelConfig.from_pretrained(path),
                                                     jnp.bfloat16, rngs=nnx.Rngs(0)))
     weights = sum(v.size * 2 for _, v in nnx.to_flat_state(nnx.state(model)))
-    return int((weights + KV_BUDGET) / SMALL["mem_fraction_static"])
+    return int((weights + KV_BUDGET) / KV_BUDGET_ENGINE["mem_fraction_static"])
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def outputs(checkpoint, engine_kwargs):
         mp.setattr(kv_cache_module, "host_available_bytes", lambda: host)
         for kv_dtype in ("auto", "fp8_e4m3"):
             engine = Engine(model_path=path, kv_cache_dtype=kv_dtype,
-                            **dict(engine_kwargs, **SMALL))
+                            **dict(engine_kwargs, **KV_BUDGET_ENGINE))
             try:
                 compiles = engine.compile_monitor.count
                 tokens = [o["output_ids"] for o in engine.generate(input_ids=prompts,
@@ -61,8 +63,8 @@ def outputs(checkpoint, engine_kwargs):
                     copies = re.findall(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(",
                                         executable.as_text())
                     assert not [c for c in copies
-                                if _elements(c) >= np.prod(pool.layer_shape)], key
-                logits, _ = _prefill_logits(engine, prompts)
+                                if hlo_elements(c) >= np.prod(pool.layer_shape)], key
+                logits, _ = prefill_logits(engine, prompts)
                 results[kv_dtype] = (engine.runner.max_total_tokens, tokens, compiles,
                                      engine.runner.token_to_kv_pool.dtype, logits)
             finally:
@@ -76,7 +78,8 @@ def test_fp8_cache_holds_twice_the_tokens(outputs):
     assert (bf16_dtype.name, fp8_dtype.name) == ("bfloat16", "float8_e4m3fn")
     page_size = 16
     assert abs(fp8_tokens - 2 * bf16_tokens) <= page_size, (fp8_tokens, bf16_tokens)
-    assert fp8_tokens < SMALL["max_running_requests"] * 2048  # the budget bound, not the cap
+    # The budget bound, not the cap.
+    assert fp8_tokens < KV_BUDGET_ENGINE["max_running_requests"] * 2048
 
 
 def test_fp8_cache_greedy_tokens_agree_with_bfloat16(outputs):

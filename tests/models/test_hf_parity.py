@@ -10,79 +10,36 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
-from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
-from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.eplb.expert_distribution import ExpertDistributionRecorder
-from jaxrunner.sampling.params import SamplingParams
-from models.config import ModelConfig
+from tests.support.parity import assert_prefill_logits_match, prompts_of_lengths
 
 PROMPT_LENS = [1, 7, 16, 33, 64, 100, 5, 170]  # 8 prompts, ragged, crossing page boundaries
+# The 8 prompts in one 512-token prefill, and 8 decode rows (16 add 10 step executables).
+PARITY_ENGINE = dict(max_running_requests=len(PROMPT_LENS), max_prefill_tokens=512)
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-llama-options", "tiny-qwen2",
                                         "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
 def models(request, checkpoint, engine_kwargs):
     path = checkpoint(request.param)
-    if ModelConfig.from_pretrained(path).is_moe or request.param == "tiny-llama-options":
-        # MoE steps compile in about 2.5x a dense step's time, and Llama's options need no other
-        # batch shapes than tiny-llama's: fewer buckets (8 decode rows hold the 8 prompts).
-        engine_kwargs = dict(engine_kwargs, max_running_requests=len(PROMPT_LENS))
+    if request.param != "tiny-llama":
+        # tiny-llama keeps the suite engine, whose executables other modules compile anyway; the
+        # others compile their own, and the 8 prompts need no more than PARITY_ENGINE's buckets.
+        engine_kwargs = dict(engine_kwargs, **PARITY_ENGINE)
     engine = Engine(model_path=str(path), **engine_kwargs)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yield engine, hf
     engine.shutdown()
 
 
-def _prompts(vocab_size, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab_size, size=n).tolist() for n in PROMPT_LENS]
-
-
-def _prefill_logits(engine, prompts, overrides=None):
-    """Logits at every prompt position from one ragged EXTEND batch through the model worker
-    (each prompt with its `EmbedOverride` or None), and the serving path's last-token logits."""
-    worker, scheduler = engine.worker, engine.scheduler
-    overrides = overrides or [None] * len(prompts)
-    reqs = [Req(rid=10_000 + i, origin_input_ids=p,
-                sampling_params=SamplingParams(temperature=0.0).normalized(), seed=0,
-                max_new_tokens=1, eos_token_ids=frozenset(), embed_override=o)
-            for i, (p, o) in enumerate(zip(prompts, overrides))]
-    batch = ScheduleBatch(reqs, ForwardMode.EXTEND, [len(p) for p in prompts],
-                          scheduler.req_to_token_pool, scheduler.allocator, engine.args.page_size)
-    assert batch.alloc_kv()
-    worker_batch = batch.get_model_worker_batch(
-        worker.pick_bucket(ForwardMode.EXTEND, batch.num_tokens, len(reqs)))
-    worker_batch.capture_hidden_mode = CaptureHiddenMode.FULL
-    engine.compile_monitor.allow()  # hidden-state capture compiles on first use
-    try:
-        out = worker.forward_batch_generation(worker_batch).logits_output
-        logits = np.asarray(engine.runner.compute_logits(out.hidden_states))
-    finally:
-        engine.compile_monitor.forbid()
-        for req in reqs:
-            scheduler.allocator.free(scheduler.req_to_token_pool.free_slot(req.req_pool_idx))
-    last = np.asarray(out.next_token_logits)
-    starts = np.cumsum([0] + [len(p) for p in prompts])
-    return [logits[s:s + len(p)] for s, p in zip(starts, prompts)], last
-
-
 def test_prefill_logits_match_hf(models):
     engine, hf = models
-    prompts = _prompts(engine.model_config.vocab_size)
-    ours, last = _prefill_logits(engine, prompts)
-    for i, (prompt, got) in enumerate(zip(prompts, ours)):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-        rel = np.abs(got - want).max() / np.abs(want).max()
-        assert rel < 1e-4, f"prompt {i} ({len(prompt)} tokens): relative error {rel:.2e}"
-        # The serving path's last-token logits are the same numbers.
-        np.testing.assert_allclose(last[i], got[-1], rtol=1e-5, atol=1e-5)
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity
-
+    assert_prefill_logits_match(
+        engine, hf, prompts_of_lengths(engine.model_config.vocab_size, PROMPT_LENS))
 
 def test_greedy_tokens_match_hf_generate(models):
     engine, hf = models
-    prompts = _prompts(engine.model_config.vocab_size, seed=1)
+    prompts = prompts_of_lengths(engine.model_config.vocab_size, PROMPT_LENS, seed=1)
     outs = engine.generate(input_ids=prompts,
                            sampling_params={"max_new_tokens": 32, "temperature": 0.0})
     for prompt, out in zip(prompts, outs):
@@ -117,7 +74,7 @@ def test_recorded_expert_counts_equal_hf_router_counts(models, tmp_path):
         with pytest.raises(ValueError, match="has no experts"):
             engine.start_expert_distribution_record()
         return
-    prompts = _prompts(engine.model_config.vocab_size, seed=2)
+    prompts = prompts_of_lengths(engine.model_config.vocab_size, PROMPT_LENS, seed=2)
     params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     compiles = engine.compile_monitor.count
     worker = engine.worker

@@ -9,11 +9,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxrunner import Engine
-from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
+from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.sampling.params import SamplingParams
 from models.loading.load_format import hashed_uniform, resolve_load_format
-from tests.engine.test_engine import CompileCounter
+from tests.support.engine import CompileCounter
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 160)), [42] * 17]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}

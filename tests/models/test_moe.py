@@ -15,7 +15,6 @@ from jaxrunner.parallel.mesh import check_ep_size, expert_axes
 from models.config import ModelConfig
 from models.layers.moe import (
     GROUPED_MATMULS,
-    Routing,
     block_rows,
     expert_mlp,
     moe_reference,
@@ -26,14 +25,7 @@ from models.layers.moe import (
 from models.llama import LlamaForCausalLM
 from models.loading.loader import load_model
 from models.sharding import sharded_model_config
-
-N, D, I, E, K = 37, 32, 24, 8, 2
-
-
-def _weights(rng, num_slots):
-    def w(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2]))
-    return w(num_slots, D, I), w(num_slots, D, I), w(num_slots, I, D)
+from tests.support.moe import D, E, K, N, expert_weights, random_routing
 
 
 def _hf_router(x, kernel, top_k, norm):
@@ -83,24 +75,14 @@ def test_route_spreads_an_experts_tokens_over_its_replicas():
     assert np.asarray(counts)[[1, 9, 5]].tolist() == [19, 18, 37]
 
 
-def _random_routing(rng, num_slots, num_valid):
-    slots = np.stack([rng.choice(num_slots, K, replace=False) for _ in range(N)])
-    # Skewed: a third of the tokens pick slot 0 first, so groups are very ragged.
-    slots[: N // 3, 0] = 0
-    slots[: N // 3, 1] = rng.integers(1, num_slots, N // 3)
-    weights = rng.uniform(0.1, 1.0, (N, K)).astype(np.float32)
-    slots[num_valid:], weights[num_valid:] = num_slots, 0.0
-    return Routing(jnp.asarray(slots, jnp.int32), jnp.asarray(weights))
-
-
 @pytest.mark.parametrize("grouped_matmul", GROUPED_MATMULS)
 @pytest.mark.parametrize("num_slots", [E, 12])
 def test_grouped_expert_mlp_matches_dense_reference(grouped_matmul, num_slots):
     rng = np.random.default_rng(1)
-    wg, wu, wd = _weights(rng, num_slots)
+    wg, wu, wd = expert_weights(rng, num_slots)
     x = rng.standard_normal((N, D)).astype(np.float32)
     x[31:] = np.nan                                            # padded tokens: never read
-    routing = _random_routing(rng, num_slots, 31)
+    routing = random_routing(rng, num_slots, 31)
     want = np.asarray(moe_reference(jnp.asarray(np.nan_to_num(x)), routing, wg, wu, wd))
     got = np.asarray(jax.jit(expert_mlp, static_argnums=(6, 7))(
         jnp.asarray(x), routing, wg, wu, wd, 0, grouped_matmul, num_slots))
@@ -113,9 +95,9 @@ def test_expert_shards_sum_to_the_whole(grouped_matmul):
     """Expert parallelism's local step: each shard's slots alone, summed over shards."""
     rng = np.random.default_rng(2)
     num_slots, shards = 12, 4
-    wg, wu, wd = _weights(rng, num_slots)
+    wg, wu, wd = expert_weights(rng, num_slots)
     x = jnp.asarray(rng.standard_normal((N, D)).astype(np.float32))
-    routing = _random_routing(rng, num_slots, N)
+    routing = random_routing(rng, num_slots, N)
     local = num_slots // shards
     parts = [expert_mlp(x, routing, wg[s * local:(s + 1) * local], wu[s * local:(s + 1) * local],
                         wd[s * local:(s + 1) * local], s * local, grouped_matmul, num_slots)

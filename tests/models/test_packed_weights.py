@@ -15,14 +15,15 @@ from models.layers.packed import PackedWeight
 
 PROMPTS = [[5, 9, 100, 7], list(range(3, 40)), [17] * 9, [250, 251, 3]]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-SMALL = dict(max_running_requests=4, max_prefill_tokens=64, max_total_tokens=2048)
+# The four PROMPTS at once, in one 64-token prefill.
+FOUR_PROMPT_ENGINE = dict(max_running_requests=4, max_prefill_tokens=64, max_total_tokens=2048)
 
 
 @pytest.fixture(scope="module")
 def engines(checkpoint, engine_kwargs):
     """bfloat16 (the float32 kernel serves the HF parity suite): packed and XLA's dot."""
     path = str(checkpoint("tiny-qwen2"))  # q/k/v biases and YaRN besides the plain layers
-    kwargs = {**engine_kwargs, **SMALL, "dtype": "bfloat16"}
+    kwargs = {**engine_kwargs, **FOUR_PROMPT_ENGINE, "dtype": "bfloat16"}
     packed = Engine(model_path=path, **kwargs)
     xla = Engine(model_path=path, cpu_matmul="xla", **kwargs)
     yield packed, xla

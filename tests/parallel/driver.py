@@ -32,7 +32,7 @@ def main(spec: dict) -> dict:
     for run in spec["runs"]:
         run = dict(run)
         rebalance = run.pop("rebalance", False)  # a MoE run: see rebalance_report
-        kwargs = dict(spec.get("engine_kwargs", {}), model_path=spec["model_path"], **run)
+        kwargs = {**spec.get("engine_kwargs", {}), "model_path": spec["model_path"], **run}
         engine = Engine(**kwargs)
         warm = engine.compile_monitor.count
         params = {"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0,
@@ -59,6 +59,8 @@ def main(spec: dict) -> dict:
         if rebalance:
             results[-1].update(rebalance_report(engine, spec["skewed_prompts"], params),
                                rebalance=True)
+            if spec.get("update_from"):
+                results[-1].update(expert_update_report(engine, spec, params))
         if spec.get("decode_hlo"):
             results[-1]["decode_hlo"] = decode_hlo_summary(engine)
         if spec.get("lifecycle"):
@@ -74,10 +76,12 @@ def multihost_report(engine, lockstep, run: dict, spec: dict, params: dict) -> d
     import jax  # noqa: PLC0415
 
     warm = engine.compile_monitor.count
+    states = record_states(engine, lockstep) if spec.get("lockstep_lifecycle") else []
     if not lockstep.is_leader:
         # The lifecycle scenario's requests: the prompts, 3 times more.
-        return follower_report(engine, lockstep, 4 * len(spec["prompts"])
-                               if spec.get("lockstep_lifecycle") else None)
+        report = follower_report(engine, lockstep, 4 * len(spec["prompts"])
+                                 if spec.get("lockstep_lifecycle") else None)
+        return dict(report, states=states)
     finished = {}
     outs = lockstep.generate(spec["prompts"], params)
     result = dict(run, output_ids=[o["output_ids"] for o in outs],
@@ -89,7 +93,55 @@ def multihost_report(engine, lockstep, run: dict, spec: dict, params: dict) -> d
         finished[o["meta_info"]["id"]] = o["output_ids"]
     finished.update(result.get("lifecycle", {}).pop("finished", {}))
     lockstep.shutdown()
-    return {"results": [result], "finished": finished}
+    return {"results": [result], "finished": finished, "states": states}
+
+
+def record_states(engine, lockstep) -> list:
+    """After each lock-step verb this rank runs, [verb, the weights' checksum per tensor, the
+    prefix cache's nodes]: appended to the list returned. The checksums are one program over
+    every host's shards (run by every rank at the same point, as the verb was); a verb that
+    stops the ranks (EngineDeadError) records nothing."""
+    from flax import nnx  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    states, run_call = [], lockstep._run_call
+    replicated = NamedSharding(engine.runner.parallel.mesh, PartitionSpec())
+
+    def checksum(x):
+        """uint32 sum of the tensor's bits, each weighted by its index (order matters)."""
+        bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32).reshape(-1)
+        weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+    program = jax.jit(lambda xs: [checksum(x) for x in xs], out_shardings=replicated)
+
+    def weights():
+        flat = [(".".join(map(str, path)), v.get_value())
+                for path, v in nnx.to_flat_state(engine.runner.state)]
+        if not all(isinstance(x, jax.Array) for _, x in flat):
+            return "released"
+        with engine.compile_monitor.allowed():
+            sums = program([x for _, x in flat])
+        return {name: int(s) for (name, _), s in zip(flat, sums)}
+
+    def radix():
+        nodes, todo = [], [(engine.scheduler.tree_cache.root, ())]
+        while todo:
+            node, prefix = todo.pop()
+            key = prefix + tuple(node.key)
+            nodes.append([list(key), list(node.pages), node.lock_ref])
+            todo += [(child, key) for child in node.children.values()]
+        return sorted(nodes)
+
+    def recorded(call):
+        outcome = run_call(call)
+        states.append([call.verb, weights(), radix()])
+        return outcome
+
+    lockstep._run_call = recorded
+    return states
 
 
 def follower_report(engine, lockstep, lifecycle_requests: int | None) -> dict:
@@ -162,6 +214,10 @@ def lockstep_lifecycle_report(engine, lockstep, spec: dict, params: dict) -> dic
         lockstep.start_expert_distribution_record()
     except ValueError as e:
         report["refused"] = str(e)
+    try:
+        lockstep.rebalance_experts()
+    except ValueError as e:
+        report["rebalance_refused"] = str(e)
     lockstep.release_memory_occupation()
     lockstep.resume_memory_occupation()
     try:
@@ -250,6 +306,46 @@ def rebalance_report(engine, prompts, params) -> dict:
     return {"skewed": passes, "eplb_report": report,
             "physical_to_logical": engine.runner.expert_location.physical_to_logical.tolist(),
             "rebalance_compiles": engine.compile_monitor.count - compiles}
+
+
+def expert_update_report(engine, spec: dict, params: dict) -> dict:
+    """After a rebalance (experts moved and copied over the EP devices): the tensors of the
+    checkpoint `update_from` written by name, the prompts' tokens; an expert read back (its
+    largest error relative to the tensor's magnitude: 0 unless quantized); release, resume
+    without a backup (requests refused), update from disk of the engine's own checkpoint, the
+    prompts' tokens."""
+    from pathlib import Path  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    from jaxrunner.engine.lifecycle import EngineNotReadyError  # noqa: PLC0415
+
+    serving_compiles = []
+
+    def ids():
+        warm = engine.compile_monitor.count
+        outs = engine.generate(input_ids=spec["prompts"], sampling_params=params)
+        serving_compiles.append(engine.compile_monitor.count - warm)
+        return [o["output_ids"] for o in outs]
+
+    tensors = load_file(str(Path(spec["update_from"]) / "model.safetensors"))
+    report = {"update": list(engine.update_weights_from_tensor(list(tensors.items())))}
+    report["updated_ids"] = ids()
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    want = tensors[name]
+    report["readback_error"] = float(np.abs(engine.get_weights_by_name(name, 10**6) - want).max()
+                                     / np.abs(want).max())
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    try:
+        engine.generate(input_ids=spec["prompts"][0], sampling_params=params)
+    except EngineNotReadyError as e:
+        report["refused_after_resume"] = str(e)
+    report["update_from_disk"] = list(engine.update_weights_from_disk(spec["model_path"]))
+    report["restored_ids"] = ids()
+    report["update_serving_compiles"] = sum(serving_compiles)
+    return report
 
 
 def decode_hlo_summary(engine) -> dict:

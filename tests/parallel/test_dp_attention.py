@@ -3,7 +3,7 @@ devices, one `Scheduler` per rank with its own requests, KV pages and prefix cac
 has none, all padded to one bucket: the greedy tokens of one device, with no compile after
 warm-up, and every page back after `flush_cache()`."""
 
-from tests.parallel.conftest import run_driver
+from tests.support.parallel import run_driver
 
 
 def test_dp2_tp2_matches_one_device(checkpoint, parallel_spec, llama_runs):

@@ -9,35 +9,39 @@ import re
 import numpy as np
 import pytest
 
-from tests.parallel.conftest import run_driver
+from models.testing.random_checkpoint import cached_checkpoint
+from tests.support.parallel import SKEWED_PROMPTS, run_driver, run_name
 
 EP_RUNS = [{"tp_size": 1}, {"tp_size": 2, "ep_size": 2}, {"tp_size": 4, "ep_size": 4},
            {"tp_size": 8, "ep_size": 8}, {"dp_size": 2, "tp_size": 2, "ep_size": 4},
            # Again: its executables (4 of the 8 devices) come from the executable cache.
            {"tp_size": 4, "ep_size": 4},
-           # EPLB: 4 redundant slots (12 = 3 per rank), rebalanced on demand.
+           # EPLB: 4 redundant slots (12 = 3 per rank), rebalanced on demand, then the
+           # weights of another checkpoint written by name over the moved experts.
            {"tp_size": 4, "ep_size": 4, "ep_num_redundant_experts": 4, "rebalance": True}]
-# Every prompt the same token over and over: every token of a layer picks the same experts.
-SKEWED = [[7] * 40, [7] * 25, [7] * 12, [7] * 3]
+# A fresh load of that checkpoint on one device (its executables: the first run's, cached).
+SECOND = {"tp_size": 1}
 
 
 @pytest.fixture(scope="module")
-def ep_runs(checkpoint, parallel_spec):
-    spec = parallel_spec(checkpoint("tiny-qwen3-moe"), EP_RUNS, decode_hlo=True,
-                         skewed_prompts=SKEWED)
+def second_moe(checkpoint_root):
+    """tiny-qwen3-moe with other random weights."""
+    return cached_checkpoint("tiny-qwen3-moe", checkpoint_root / "seed-1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def ep_runs(checkpoint, parallel_spec, second_moe):
+    runs = EP_RUNS + [dict(SECOND, model_path=str(second_moe))]
+    spec = parallel_spec(checkpoint("tiny-qwen3-moe"), runs, decode_hlo=True,
+                         skewed_prompts=SKEWED_PROMPTS, update_from=str(second_moe))
     return run_driver(spec, timeout=1200)["results"]
-
-
-def _name(run):
-    return ",".join(f"{k}={v}" for k, v in run.items()
-                    if k in ("dp_size", "tp_size", "ep_size", "ep_num_redundant_experts"))
 
 
 def test_expert_parallel_matches_one_device_without_compiles(ep_runs):
     base = ep_runs[0]
-    for run in ep_runs[1:]:
-        assert run["output_ids"] == base["output_ids"], _name(run)
-        assert run["compiles_after_warmup"] == 0, _name(run)
+    for run in ep_runs[1:-1]:
+        assert run["output_ids"] == base["output_ids"], run_name(run)
+        assert run["compiles_after_warmup"] == 0, run_name(run)
 
 
 def test_a_sub_mesh_engine_loads_its_executables_from_the_cache(ep_runs):
@@ -52,7 +56,7 @@ def _shape(hlo_type: str) -> tuple:
 
 
 def test_decode_hlo_gathers_no_expert_weight(ep_runs):
-    for run in ep_runs[1:]:
+    for run in ep_runs[1:-1]:
         hlo = run["decode_hlo"]
         # Expert weights are [L, P, D, I] (or [L, P, I, D]): the stack, a layer's slots, one
         # expert, whole or as this device's shard of the slots.
@@ -61,14 +65,14 @@ def test_decode_hlo_gathers_no_expert_weight(ep_runs):
         experts |= {(s[0], s[1] // ep) + s[2:] for s in experts}
         experts |= {s[1:] for s in experts} | {s[2:] for s in experts}
         gathered = [_shape(t) for op, t in hlo["collectives"] if op == "all-gather"]
-        assert not [s for s in gathered if s in experts], (_name(run), gathered, experts)
+        assert not [s for s in gathered if s in experts], (run_name(run), gathered, experts)
         # The partial outputs of the experts meet in a sum.
         ops = [op for op, _ in hlo["collectives"]]
-        assert ops.count("all-reduce") + ops.count("reduce-scatter") >= 1, (_name(run), ops)
+        assert ops.count("all-reduce") + ops.count("reduce-scatter") >= 1, (run_name(run), ops)
 
 
 def test_eplb_rebalance_evens_the_ranks_keeps_the_tokens_and_compiles_nothing(ep_runs):
-    run = ep_runs[-1]
+    run = ep_runs[-2]
     before, after = run["skewed"]
     report = run["eplb_report"]
     assert report["rebalanced"] and report["moved_slots"] > 0
@@ -86,3 +90,17 @@ def test_eplb_rebalance_evens_the_ranks_keeps_the_tokens_and_compiles_nothing(ep
     placement = np.array(run["physical_to_logical"])
     assert placement.shape == (2, 12)
     assert all(sorted(set(row)) == list(range(8)) for row in placement.tolist())
+
+
+def test_weight_updates_over_moved_ep_split_experts_equal_a_fresh_load(ep_runs):
+    """After the rebalance, another checkpoint's tensors by name reach every slot (split over
+    the 4 EP devices) of their expert: the tokens of a fresh one-device load of it; release,
+    resume without a backup, refused, update from disk: the first checkpoint's tokens again."""
+    base, run, second = ep_runs[0], ep_runs[-2], ep_runs[-1]
+    assert run["update"][0], run["update"]
+    assert second["output_ids"] != base["output_ids"]
+    assert run["updated_ids"] == second["output_ids"]
+    assert run["readback_error"] == 0.0
+    assert "hold no weights" in run["refused_after_resume"]
+    assert run["update_from_disk"][0] and run["restored_ids"] == base["output_ids"]
+    assert run["update_serving_compiles"] == 0

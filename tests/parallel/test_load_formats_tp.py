@@ -5,7 +5,7 @@ resumed under tensor parallelism come back as they were."""
 import numpy as np
 from safetensors.numpy import load_file
 
-from tests.parallel.conftest import run_driver
+from tests.support.parallel import run_driver
 
 NAMES = ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight",
          "model.embed_tokens.weight", "lm_head.weight"]

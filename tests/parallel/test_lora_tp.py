@@ -4,7 +4,7 @@ tiny-llama's 2 KV heads are repeated, and k/v's B with them) give the tokens of 
 a batch mixing the base and two adapters, with no compile after warm-up."""
 
 from models.testing.random_lora import make_lora_adapter
-from tests.parallel.conftest import PROMPTS, run_driver
+from tests.support.parallel import PARALLEL_PROMPTS, run_driver
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -16,7 +16,7 @@ def test_lora_tp_matches_one_device(checkpoint, parallel_spec, tmp_path):
                               use_rslora=True)
     lora = dict(lora_paths=f"attn={attn},all={every}", max_loras_per_batch=2)
     runs = [dict(lora, tp_size=tp) for tp in (1, 2, 4)]
-    spec = parallel_spec(base, runs, lora_path=["attn", None, "all", "all"][:len(PROMPTS)])
+    spec = parallel_spec(base, runs, lora_path=["attn", None, "all", "all"][:len(PARALLEL_PROMPTS)])
     one, *sharded = run_driver(spec)["results"]
     assert one["compiles_after_warmup"] == 0
     for run in sharded:

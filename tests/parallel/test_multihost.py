@@ -6,11 +6,10 @@ that fails on one rank alone stops both."""
 import socket
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from models.testing.random_checkpoint import cached_checkpoint
-from tests.parallel.conftest import run_drivers
+from tests.support.parallel import run_drivers
+from tests.support.parity import hf_greedy_tokens
 
 
 def _free_port() -> int:
@@ -48,24 +47,12 @@ def test_two_processes_match_one(two_processes, llama_runs):
     assert two["compiles_after_warmup"] == 0
 
 
-def _hf_greedy(path, prompts, n: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(n):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outs.append(ids[len(prompt):])
-    return outs
-
-
 def test_lifecycle_verbs_run_on_every_rank(two_processes, llama_runs, parallel_spec, second):
     leader, follower = two_processes
     report = leader["results"][0]["lifecycle"]
     first_ids = llama_runs[1]["output_ids"]
     spec = parallel_spec(second, [])
-    second_ids = _hf_greedy(second, spec["prompts"], spec["max_new_tokens"])
+    second_ids = hf_greedy_tokens(second, spec["prompts"], spec["max_new_tokens"])
     assert second_ids != first_ids
     # Requests in flight: the flush is refused; the update waits for them (old weights).
     assert report["flush_in_flight"] is False
@@ -85,3 +72,24 @@ def test_lifecycle_verbs_run_on_every_rank(two_processes, llama_runs, parallel_s
     # Every request, on both ranks, with the same tokens.
     assert follower["finished"] == leader["finished"]
     assert len(leader["finished"]) == 4 * len(first_ids)
+
+
+def test_after_each_verb_the_ranks_hold_the_same_weights_and_prefix_cache(two_processes):
+    """After every verb, the weights' checksum per tensor (over every host's shards) and the
+    prefix cache's nodes (tokens, pages, locks) on rank 1 equal rank 0's."""
+    leader, follower = two_processes
+    assert "MoE" in leader["results"][0]["lifecycle"]["rebalance_refused"]
+    states = leader["states"]
+    assert follower["states"] == states
+    verbs = [verb for verb, _, _ in states]
+    assert verbs == ["flush_cache", "update_weights_from_disk", "get_weights_by_name",
+                     "start_expert_distribution_record", "rebalance_experts",
+                     "release_memory_occupation", "resume_memory_occupation",
+                     "update_weights_from_tensor", "flush_cache"]
+    weights = {verb: w for verb, w, _ in states}
+    assert weights["release_memory_occupation"] == "released"
+    first, second = weights["update_weights_from_tensor"], weights["update_weights_from_disk"]
+    assert len(first) > 10 and first.keys() == second.keys()
+    assert all(first[name] != second[name] for name in first if "norm" not in name)
+    assert states[0][2] != [[[], [], 0]]  # requests in flight: the cache held their prompts
+    assert states[-1][2] == [[[], [], 0]]  # flushed

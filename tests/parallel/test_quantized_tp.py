@@ -10,9 +10,8 @@ import pytest
 
 from models.layers.moe import trivial_placement
 from models.sharding import partition_spec
-from tests.models.quantization.test_quantization_formats import fp8_checkpoints  # noqa: F401 (a fixture)
-from tests.parallel.conftest import run_driver
-from tests.parallel.test_expert_parallel import SKEWED
+from models.testing.random_checkpoint import cached_checkpoint
+from tests.support.parallel import SKEWED_PROMPTS, run_driver
 
 RUNS = [{"tp_size": 1, "quantization": "int8"}, {"tp_size": 2, "quantization": "int8"},
         {"tp_size": 4, "quantization": "int8", "kv_cache_dtype": "fp8_e4m3"},
@@ -32,7 +31,7 @@ def test_quantized_tp_matches_one_device_without_compiles(runs):
     assert all(r["compiles_after_warmup"] == 0 for r in runs)
 
 
-def test_block_fp8_checkpoint_tp2_matches_tp1(fp8_checkpoints, parallel_spec):  # noqa: F811
+def test_block_fp8_checkpoint_tp2_matches_tp1(fp8_checkpoints, parallel_spec):
     tp1, tp2 = run_driver(parallel_spec(fp8_checkpoints[0], [{"tp_size": 1},
                                                              {"tp_size": 2}]))["results"]
     assert tp2["num_devices"] == 2
@@ -46,10 +45,15 @@ MOE_RUNS = [{"tp_size": 1}, {"tp_size": 2},
             {"tp_size": 2, "ep_size": 2, "ep_num_redundant_experts": 2, "rebalance": True}]
 
 
-def test_quantized_experts_under_tp_ep_and_eplb(checkpoint, parallel_spec):
-    runs = [dict(run, quantization="int8") for run in MOE_RUNS]
-    spec = parallel_spec(checkpoint("tiny-qwen3-moe"), runs, skewed_prompts=SKEWED)
-    tp1, tp2, eplb = run_driver(spec, timeout=1200)["results"]
+def test_quantized_experts_under_tp_ep_and_eplb(checkpoint, parallel_spec, checkpoint_root):
+    """... and quantized again from the float tensors of another checkpoint written by name
+    over the moved experts: the tokens of a fresh load of it."""
+    second = cached_checkpoint("tiny-qwen3-moe", checkpoint_root / "seed-1", seed=1)
+    runs = [dict(run, quantization="int8") for run in MOE_RUNS + [
+        {"tp_size": 1, "model_path": str(second)}]]
+    spec = parallel_spec(checkpoint("tiny-qwen3-moe"), runs, skewed_prompts=SKEWED_PROMPTS,
+                         update_from=str(second))
+    tp1, tp2, eplb, fresh = run_driver(spec, timeout=1200)["results"]
     for run in (tp2, eplb):
         assert run["output_ids"] == tp1["output_ids"], run
         assert run["compiles_after_warmup"] == 0, run
@@ -58,6 +62,10 @@ def test_quantized_experts_under_tp_ep_and_eplb(checkpoint, parallel_spec):
     assert any(row != placement for row in eplb["physical_to_logical"])
     before, after = eplb["skewed"]
     assert after["output_ids"] == before["output_ids"]
+    assert eplb["update"][0] and eplb["updated_ids"] == fresh["output_ids"]
+    assert 0 < eplb["readback_error"] < 0.01  # dequantised int8
+    assert "hold no weights" in eplb["refused_after_resume"]
+    assert eplb["restored_ids"] == tp1["output_ids"] and eplb["update_serving_compiles"] == 0
     assert eplb["rebalance_compiles"] == 0
 
 

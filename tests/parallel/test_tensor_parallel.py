@@ -11,7 +11,7 @@ from jaxrunner.parallel.mesh import check_tp_size, effective_kv_heads, make_mesh
 from models.config import ModelConfig
 from models.sharding import partition_spec, repeat_kv_heads, sharded_model_config
 from models.testing.random_checkpoint import make_eagle_checkpoint
-from tests.parallel.conftest import run_driver
+from tests.support.parallel import run_driver
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])

@@ -12,7 +12,7 @@ from jaxrunner.dllm.scheduler import DllmScheduler
 from jaxrunner.dp_attention.scheduler import DataParallelScheduler
 from jaxrunner.scheduler.base import SchedulerContract
 from jaxrunner.scheduler.scheduler import Scheduler
-from tests.scheduler.fake_worker import FakeWorker
+from tests.support.fake_worker import FakeWorker
 
 SCHEDULERS = [Scheduler, DllmScheduler, DataParallelScheduler]
 MEMBERS = sorted(typing.get_protocol_members(SchedulerContract))

@@ -1,66 +1,30 @@
-"""The scheduler against a fake model worker (tests/scheduler/fake_worker.py): admission, chunking,
+"""The scheduler against a fake model worker (tests/support/fake_worker.py): admission, chunking,
 retraction, abort at every stage, overlap, priorities and the prefix cache, each in well under a
 second and without jax. The tokens must equal the fake model's reference, so any wrong page,
 prefix or position shows."""
 
-import itertools
 from pathlib import Path
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import jaxrunner.scheduler
 from jaxrunner.batch.forward_mode import ForwardMode
-from jaxrunner.batch.schedule_batch import Req
 from jaxrunner.mem_cache.memory_pool import DUMMY_PAGE
-from jaxrunner.sampling.params import SamplingParams
 from jaxrunner.scheduler.scheduler import Scheduler
 from jaxrunner.speculative.round import SpeculativeRound
-from tests.scheduler.fake_worker import FakeSpecWorker, FakeWorker, reference_tokens
+from tests.support.fake_worker import FakeSpecWorker, FakeWorker
+from tests.support.scheduler import (
+    assert_all_free,
+    assert_reference,
+    extend_batches,
+    make_req,
+    random_prompts,
+    run_all,
+)
 
-_rids = itertools.count()
 SCHEDULER_PACKAGE = Path(jaxrunner.scheduler.__file__).parent
-
-
-def make_req(prompt, max_new_tokens, priority=0):
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0).normalized()
-    return Req(rid=next(_rids), origin_input_ids=list(prompt), sampling_params=params, seed=0,
-               max_new_tokens=max_new_tokens, eos_token_ids=frozenset(), priority=priority)
-
-
-def random_prompts(n, lo, hi, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 1000, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
-
-
-def run_all(scheduler, reqs, max_steps=10_000):
-    for req in reqs:
-        scheduler.add_request(req)
-    for _ in range(max_steps):
-        if not scheduler.has_work:
-            break
-        scheduler.step()
-    assert not scheduler.has_work, "the scheduler did not finish"
-    scheduler.step()  # read back a step still in flight (overlap)
-
-
-def assert_reference(reqs):
-    for req in reqs:
-        assert req.output_ids == reference_tokens(req.origin_input_ids, req.max_new_tokens), (
-            f"request {req.rid} ({len(req.origin_input_ids)} prompt tokens)")
-
-
-def assert_all_free(scheduler):
-    assert scheduler.flush_cache()
-    assert scheduler.allocator.num_free == scheduler.allocator.capacity, "pages leaked"
-    pool = scheduler.req_to_token_pool
-    assert pool.num_free_slots == pool.num_slots, "request slots leaked"
-
-
-def extend_batches(worker):
-    return [b for b in worker.batches if b.forward_mode != ForwardMode.DECODE]
 
 
 def test_admission_stays_within_the_token_and_request_budgets():
@@ -186,7 +150,6 @@ def test_mixed_batches_decode_inside_prefill_steps():
     assert mixed and all(b.num_tokens <= 64 for b in mixed)
     assert_reference(reqs)
     assert_all_free(scheduler)
-
 
 
 # ---- speculative rounds (TARGET_VERIFY windows of 4 tokens, a random number accepted) ----

@@ -1,4 +1,4 @@
-"""The scheduler's per-request output rules on the fake worker (tests/scheduler/fake_worker.py):
+"""The scheduler's per-request output rules on the fake worker (tests/support/fake_worker.py):
 grammar masks under overlapped scheduling, n samples sharing their prompt's KV, min_new_tokens and
 stop_regex. Milliseconds each, no jax."""
 
@@ -11,8 +11,8 @@ from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req
 from jaxrunner.sampling.params import SamplingParams
 from jaxrunner.scheduler.scheduler import Scheduler
-from tests.scheduler.fake_worker import VOCAB, FakeWorker, reference_tokens
-from tests.scheduler.test_scheduler_fake_worker import assert_all_free, random_prompts, run_all
+from tests.support.fake_worker import VOCAB, FakeWorker, reference_tokens
+from tests.support.scheduler import assert_all_free, random_prompts, run_all
 
 _rids = itertools.count(10_000)
 
@@ -120,7 +120,22 @@ def test_stop_regex_cuts_the_text_before_the_match():
     run_all(scheduler, [req])
     assert req.output_ids == want[:7]
     assert req.stopped_text == "".join(f"<{t}>" for t in want[:5])
-    assert req.finished_reason == {"type": "stop", "matched": f"<{want[5]}><{want[6]}>"}
+    # matched_stop is the pattern, as SGLang reports it (issue 34).
+    assert req.finished_reason == {"type": "stop", "matched": rf"<{want[5]}><\d+>"}
+
+
+def test_no_stop_trim_keeps_the_stop_string_and_the_regex_match():
+    worker = FakeWorker.create()
+    scheduler = Scheduler(worker, decode_text=lambda ids: "".join(f"<{t}>" for t in ids))
+    prompt = random_prompts(1, 9, 9, seed=15)[0]
+    want = reference_tokens(prompt, 12)
+    text = "".join(f"<{t}>" for t in want)
+    by_string = make_req(prompt, 12, stop=[f"<{want[3]}>"], no_stop_trim=True)
+    by_regex = make_req(prompt, 12, stop_regex=[rf"<{want[5]}><\d+>"], no_stop_trim=True)
+    run_all(scheduler, [by_string, by_regex])
+    assert by_string.stopped_text == text[:text.index(f"<{want[3]}>") + len(f"<{want[3]}>")]
+    assert by_string.finished_reason == {"type": "stop", "matched": f"<{want[3]}>"}
+    assert by_regex.stopped_text == "".join(f"<{t}>" for t in want[:7])
 
 
 def test_penalised_requests_rebuild_their_slot_state_after_a_retraction():

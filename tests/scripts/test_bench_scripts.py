@@ -239,7 +239,6 @@ def test_profile_step_sorts_the_step_into_its_kinds(checkpoint, compilation_cach
 
 
 def test_plot_one_batch_writes_a_png(one_batch_json, tmp_path):
-    pytest.importorskip("matplotlib")
     _, out = one_batch_json
     png = plot_one_batch.main([str(out), "--out", str(tmp_path / "plot.png")])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,6 @@
 """The engine loop against a fake engine: all-or-none admission, aborts, idling without
-spinning, and a failing step that fails its requests instead of hanging them."""
+spinning, a failing step that fails its requests instead of hanging them, a request whose step
+failed in a contained way, the queue limit and the request timeout."""
 
 import asyncio
 import dataclasses
@@ -9,7 +10,14 @@ import time
 import pytest
 
 from jaxrunner.engine.base import EngineDeadError
-from jaxrunner.server.engine_loop import EngineError, EngineLoop, RequestSpec
+from jaxrunner.scheduler.faults import step_failure
+from jaxrunner.server.engine_loop import (
+    EngineError,
+    EngineLoop,
+    QueueFullError,
+    RequestFailed,
+    RequestSpec,
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,9 +87,9 @@ async def _collect(group):
     return [d async for d in group.deltas()]
 
 
-def _run(engine, body):
+def _run(engine, body, **limits):
     async def main():
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, **limits)
         loop.start(asyncio.get_running_loop())
         try:
             return await body(loop)
@@ -235,3 +243,98 @@ def test_a_call_that_leaves_the_engine_dead_ends_the_loop():
             await loop.submit([RequestSpec([1], {"max_new_tokens": 1})])
 
     _run(engine, body)
+
+
+class FailingRowEngine(SlowEngine):
+    """Fails the requests whose prompt is [666] in its third step, as the scheduler's fault
+    containment does (jaxrunner/scheduler/faults.py); the others run on."""
+
+    def step(self):
+        live = super().step()
+        if self.steps == 3:
+            for r in live:
+                if r.origin_input_ids == [666]:
+                    r.finished_reason = step_failure(RuntimeError("XLA said no"))
+        return live
+
+
+def test_a_request_whose_step_failed_gets_an_error_naming_it_and_the_others_run_on():
+    engine = FailingRowEngine()
+
+    async def body(loop):
+        doomed = await loop.submit([RequestSpec([666], {"max_new_tokens": 10})])
+        fine = await loop.submit([RequestSpec([1], {"max_new_tokens": 10})])
+        with pytest.raises(RequestFailed, match="RuntimeError: XLA said no"):
+            await _collect(doomed)
+        deltas = await _collect(fine)
+        return loop.alive, deltas
+
+    alive, deltas = _run(engine, body)
+    assert alive and sum(len(d.token_ids) for d in deltas) == 10
+    assert deltas[-1].finished_reason["type"] == "length"
+
+
+class QueueingEngine(SlowEngine):
+    """Runs two requests at a time; the rest wait (`num_requests_waiting`)."""
+
+    def memory_stats(self):
+        unfinished = sum(not r.finished for r in self.reqs)
+        return dict(super().memory_stats(), num_requests_waiting=max(0, unfinished - 2))
+
+    def step(self):
+        self.steps += 1
+        time.sleep(0.005)
+        live = [r for r in self.reqs if not r.finished][:2]
+        for r in live:
+            r.output_ids.append(7)
+            if len(r.output_ids) == r.max_new_tokens:
+                r.finished_reason = {"type": "length", "length": r.max_new_tokens}
+        return live
+
+
+def test_past_max_queued_requests_a_group_is_refused_and_nothing_accepted_is_lost():
+    engine = QueueingEngine()
+
+    async def body(loop):
+        accepted = [await loop.submit([RequestSpec([i], {"max_new_tokens": 20})])
+                    for i in range(5)]  # 2 running, 3 waiting
+        with pytest.raises(QueueFullError, match="3 requests wait.*max_queued_requests is 3"):
+            await loop.submit([RequestSpec([9], {"max_new_tokens": 1})])
+        outs = [await _collect(g) for g in accepted]
+        again = await loop.submit([RequestSpec([9], {"max_new_tokens": 1})])  # room again
+        return outs, await _collect(again)
+
+    outs, again = _run(engine, body, max_queued_requests=3)
+    assert [sum(len(d.token_ids) for d in deltas) for deltas in outs] == [20] * 5
+    assert again[-1].finished_reason["type"] == "length"
+
+
+def test_the_engine_thread_refuses_what_the_published_count_let_through():
+    """Submissions racing ahead of the published count meet the engine thread's check."""
+    engine = QueueingEngine()
+
+    async def body(loop):
+        groups = await asyncio.gather(*(loop.submit([RequestSpec([i], {"max_new_tokens": 5})])
+                                        for i in range(8)), return_exceptions=True)
+        refused = [g for g in groups if isinstance(g, QueueFullError)]
+        for g in groups:
+            if not isinstance(g, BaseException):
+                await _collect(g)
+        return len(refused)
+
+    assert _run(engine, body, max_queued_requests=2) == 8 - 2 - 2
+
+
+def test_request_timeout_aborts_a_request_naming_it():
+    engine = SlowEngine()
+
+    async def body(loop):
+        slow = await loop.submit([RequestSpec([1], {"max_new_tokens": 10 ** 6})])
+        quick = await loop.submit([RequestSpec([2], {"max_new_tokens": 3})])
+        return await _collect(slow), await _collect(quick)
+
+    slow, quick = _run(engine, body, request_timeout=0.2)
+    assert slow[-1].finished_reason == {
+        "type": "abort", "message": "the request took longer than request_timeout=0.2 s"}
+    assert quick[-1].finished_reason["type"] == "length"
+    assert engine.steps < 200

@@ -8,7 +8,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL_NAME, wait_all_pages_free
+from tests.support.server import MODEL_NAME, wait_all_pages_free
 
 NUM_PROMPTS = 16
 PROMPTS = [f"Request number {i}: tell me about item {i * 7}" for i in range(NUM_PROMPTS)]

@@ -8,13 +8,13 @@ import openai
 import pytest
 
 from jaxrunner import Engine
-from tests.server.conftest import MODEL_NAME, ServerProcess, free_port
+from tests.support.server import MODEL_NAME, ServerProcess, free_port
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200, 300], list(range(300, 340))]
 MAX_TOKENS = 6
 # Few buckets: two processes compile them at once.
-SMALL = dict(max_total_tokens=1024, max_running_requests=4, max_prefill_tokens=64,
-             context_length=256)
+TWO_HOST_ENGINE = dict(max_total_tokens=1024, max_running_requests=4, max_prefill_tokens=64,
+                       context_length=256)
 LOGPROBS = dict(return_logprob=True, top_logprobs_num=2, logprob_start_len=0,
                 sampling_params={"max_new_tokens": MAX_TOKENS, "temperature": 0.0})
 
@@ -23,7 +23,7 @@ LOGPROBS = dict(return_logprob=True, top_logprobs_num=2, logprob_start_len=0,
 def two_process_server(model_path, engine_kwargs, tmp_path_factory):
     addr = f"127.0.0.1:{free_port()}"
     logs = tmp_path_factory.mktemp("multihost")
-    kwargs = dict(engine_kwargs, **SMALL, tp_size=4, nnodes=2, dist_init_addr=addr)
+    kwargs = dict(engine_kwargs, **TWO_HOST_ENGINE, tp_size=4, nnodes=2, dist_init_addr=addr)
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = [ServerProcess(model_path, dict(kwargs, node_rank=rank), logs / f"rank{rank}.log",
                            env=env) for rank in (0, 1)]
@@ -59,7 +59,7 @@ def test_two_processes_serve_the_tokens_of_one(two_process_server, model_path, e
                      timeout=300).json()
     assert leader.stop() == 0
     assert follower.proc.wait(120) == 0, open(follower.log_path).read()[-3000:]
-    engine = Engine(model_path=str(model_path), **dict(engine_kwargs, **SMALL))
+    engine = Engine(model_path=str(model_path), **dict(engine_kwargs, **TWO_HOST_ENGINE))
     want = [o["text"] for o in engine.generate(
         input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_TOKENS, "temperature": 0.0})]
     want_gen = engine.generate(input_ids=PROMPTS[1], **LOGPROBS)

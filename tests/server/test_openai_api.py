@@ -7,7 +7,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.conftest import MODEL_NAME
+from tests.support.server import MODEL_NAME
 
 PROMPT = "The quick brown fox"
 GREEDY = dict(temperature=0.0, max_tokens=16)

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.conftest import MODEL_NAME
+from tests.support.server import MODEL_NAME
 
 SCHEMA = {"type": "object",
           "properties": {"kind": {"enum": ["cat", "dog"]},

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import MODEL_NAME, ServerProcess
+from tests.support.server import MODEL_NAME, ServerProcess
 
 # Short enough that the long requests (~2000 steps of several ms) cannot finish within it.
 GRACE_S = 1.0

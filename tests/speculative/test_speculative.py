@@ -7,74 +7,21 @@ import pytest
 from safetensors.numpy import load_file
 from scipy import stats
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from jaxrunner.sampling.batch import SamplingBatch
 from jaxrunner.sampling.params import SamplingParams
 from jaxrunner.speculative import acceptance
-from models.testing.random_checkpoint import make_eagle_checkpoint
-from tests.engine.test_engine import CompileCounter
+from tests.support.presets import SPECULATIVE_ENGINE
+from tests.support.speculative import (
+    chi2_pvalue,
+    serve_checked,
+    target_first_token_probs,
+    torch_head,
+)
 
-# Few buckets (batches of 2 and 4 requests, prefill steps of 32 tokens), so every engine
-# compiles about a dozen programs; 16 requests then run in waves, chunked and sharing prefixes.
-SPEC_ENGINE = dict(max_running_requests=4, max_prefill_tokens=32, max_total_tokens=8192)
 STEPS = 3
-
-
-@pytest.fixture(scope="session")
-def eagle_head(checkpoint_root):
-    made = {}
-
-    def get(algorithm, target_preset):
-        key = (algorithm, target_preset)
-        if key not in made:
-            out = checkpoint_root / f"{target_preset}-{algorithm.lower()}"
-            made[key] = make_eagle_checkpoint(out, algorithm, target_preset,
-                                              aux_layer_ids=[0, 1, 1])
-        return made[key]
-    return get
-
-
-def workload(vocab, n=16, seed=0):
-    """Ragged prompts in families sharing a prefix, some of them repeating themselves (so
-    n-gram lookup has something to find)."""
-    rng = np.random.default_rng(seed)
-    prefixes = [rng.integers(8, vocab, size=int(rng.integers(20, 70))).tolist() for _ in range(3)]
-    prompts = []
-    for i in range(n):
-        suffix = rng.integers(8, vocab, size=int(rng.integers(1, 30))).tolist()
-        prompts.append(prefixes[i % 3] + suffix + (suffix[:8] * 2 if i % 2 else []))
-    params = [{"max_new_tokens": int(rng.integers(4, 24)), "temperature": 0.0,
-               "ignore_eos": True} for _ in range(n)]
-    return prompts, params
-
-
-def run(model_path, engine_kwargs, prompts, params, check=None, **spec):
-    """The outputs of `prompts` on an engine with `spec`, checked for compiles, refusals and
-    leaks; `check(engine)` checks more before it shuts down."""
-    engine = Engine(model_path=str(model_path), **dict(engine_kwargs, **SPEC_ENGINE, **spec))
-    try:
-        half = len(prompts) // 2
-        with CompileCounter() as counter:
-            outs = (engine.generate(input_ids=prompts[:half], sampling_params=params[:half])
-                    + engine.generate(input_ids=prompts[half:], sampling_params=params[half:]))
-        assert counter.count == 0, f"{counter.count} compiles after warm-up"
-        if spec:  # the draft would not see given embeddings: refused, and serving goes on
-            hidden = engine.model_config.hidden_size
-            with pytest.raises(ValueError, match="speculative decoding"):
-                engine.generate(input_embeds=np.zeros((3, hidden), np.float32),
-                                sampling_params=params[0])
-        assert engine.flush_cache()
-        scheduler = engine.scheduler
-        assert scheduler.allocator.num_free == scheduler.allocator.capacity, "pages leaked"
-        assert scheduler.req_to_token_pool.num_free_slots == scheduler.req_to_token_pool.num_slots
-        if check is not None:
-            check(engine)
-        return outs
-    finally:
-        engine.shutdown()
 
 
 def spec_args(algorithm, model_path, eagle_head, preset):
@@ -88,13 +35,12 @@ def spec_args(algorithm, model_path, eagle_head, preset):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_every_algorithm_keeps_the_targets_greedy_tokens(preset, checkpoint, engine_kwargs,
-                                                         eagle_head):
+                                                         eagle_head, greedy_workload):
     path = checkpoint(preset)
-    prompts, params = workload(1024)
-    want = [o["output_ids"] for o in run(path, engine_kwargs, prompts, params)]
+    prompts, params, want = greedy_workload(preset)
     for algorithm in ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM"):
-        outs = run(path, engine_kwargs, prompts, params,
-                   **spec_args(algorithm, path, eagle_head, preset))
+        outs = serve_checked(path, engine_kwargs, prompts, params,
+                             **spec_args(algorithm, path, eagle_head, preset))
         assert [o["output_ids"] for o in outs] == want, algorithm
         for out, p in zip(outs, params):
             meta = out["meta_info"]
@@ -110,7 +56,7 @@ def test_every_algorithm_keeps_the_targets_greedy_tokens(preset, checkpoint, eng
 
 def test_ngram_accepts_drafts_on_repeating_text(checkpoint, engine_kwargs):
     path = checkpoint("tiny-llama")
-    engine = Engine(model_path=str(path), **dict(engine_kwargs, **SPEC_ENGINE),
+    engine = Engine(model_path=str(path), **dict(engine_kwargs, **SPECULATIVE_ENGINE),
                     speculative_algorithm="NGRAM", speculative_num_steps=STEPS)
     try:
         # Greedy decoding of a random model soon cycles, and a cycle is what n-grams find.
@@ -127,15 +73,6 @@ def test_ngram_accepts_drafts_on_repeating_text(checkpoint, engine_kwargs):
 # ---- sampling keeps the target's distribution ----------------------------------------------
 
 
-def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    keep = probs * counts.sum() >= 5  # merge the rare outcomes into one cell
-    observed = np.append(counts[keep], counts[~keep].sum())
-    expected = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    return stats.chisquare(observed, expected).pvalue
-
-
 def _first_tokens(rule, logits, drafts, n):
     """The first token of n verify steps over the same logits and drafts, each with its own
     seed, through acceptance rule `rule`."""
@@ -147,32 +84,16 @@ def _first_tokens(rule, logits, drafts, n):
     return np.asarray(tokens)
 
 
-def _target_first_token_probs(logits):
-    """p_0 after temperature 1, top-k 6 and top-p 0.9, in numpy."""
-    z = np.asarray(logits[0], np.float64)
-    order = np.argsort(-z)
-    keep = np.zeros_like(z, bool)
-    keep[order[:6]] = True
-    p = np.exp(z - z.max()) * keep
-    p /= p.sum()
-    sorted_p = p[order]
-    cum = np.cumsum(sorted_p) - sorted_p
-    kept = order[(cum < 0.9) & (sorted_p > 0)]
-    q = np.zeros_like(p)
-    q[kept] = p[kept]
-    return q / q.sum()
-
-
 def test_rejection_sampling_keeps_the_targets_distribution_and_a_wrong_rule_does_not():
     rng = np.random.default_rng(0)
     V, W, n = 12, 4, 20000
     logits = (2.0 * rng.standard_normal((W, V))).astype(np.float32)
-    probs = _target_first_token_probs(logits)
+    probs = target_first_token_probs(logits)
     # The draft proposes the target's second most likely token: often accepted, often not.
     drafts = np.array([np.argsort(-probs)[1], 3, 5], np.int32)
     first = _first_tokens(acceptance.accept_drafts, logits, drafts, n)[:, 0]
     counts = np.bincount(first, minlength=V)
-    assert _chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(counts, probs) > 1e-3
     assert 0.05 < np.mean(first == drafts[0]) < 0.95  # both branches of the rule ran
 
     def always_accept(logits, drafts, num_drafts, sampling):
@@ -180,7 +101,7 @@ def test_rejection_sampling_keeps_the_targets_distribution_and_a_wrong_rule_does
         return accept, np.concatenate([np.asarray(drafts), np.asarray(tokens)[:, -1:]], 1), None
 
     wrong = _first_tokens(always_accept, logits, drafts, n)[:, 0]
-    assert _chi2_pvalue(np.bincount(wrong, minlength=V), probs) < 1e-6
+    assert chi2_pvalue(np.bincount(wrong, minlength=V), probs) < 1e-6
 
 
 def test_speculative_sampling_keeps_the_engines_distribution(checkpoint, engine_kwargs):
@@ -194,7 +115,8 @@ def test_speculative_sampling_keeps_the_engines_distribution(checkpoint, engine_
     samples = {}
     for name, spec in (("plain", {}), ("ngram", dict(speculative_algorithm="NGRAM",
                                                      speculative_num_steps=STEPS))):
-        engine = Engine(model_path=str(path), **dict(engine_kwargs, **SPEC_ENGINE), **spec)
+        engine = Engine(model_path=str(path), **dict(engine_kwargs, **SPECULATIVE_ENGINE),
+                        **spec)
         try:
             outs = engine.generate(input_ids=[prompt] * n, sampling_params=params)
         finally:
@@ -213,62 +135,13 @@ def test_speculative_sampling_keeps_the_engines_distribution(checkpoint, engine_
 # ---- the EAGLE heads against PyTorch -------------------------------------------------------
 
 
-def _rms(x, w, eps):
-    return w * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
-
-
-def torch_head(head_dir, algorithm, target, tokens_next, hidden, own=None):
-    """An independent EAGLE / EAGLE-3 head: tokens_next [P] (the token after each position),
-    hidden [P, Hc] (the target's; or its first P - Q rows, then `own` [Q, D]: the head's own
-    outputs, as its draft steps read them) -> (output [P, D], logits [P, V_draft])."""
-    w = {k: torch.from_numpy(np.asarray(v)) for k, v in load_file(head_dir / "model.safetensors").items()}
-    cfg = LlamaConfig.from_pretrained(head_dir)
-    eps, nh, nkv = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
-    hd = cfg.head_dim
-    embeds = target.model.embed_tokens(torch.tensor(tokens_next))
-    eagle3 = algorithm == "EAGLE3"
-    p = "midlayer." if eagle3 else "layers.0."
-    if own is not None and not eagle3:
-        hidden = torch.cat([hidden, own], 0)
-    if eagle3:
-        h = hidden @ w["fc.weight"].T
-        if own is not None:  # the head's own outputs skip fc
-            h = torch.cat([h, own], 0)
-        x = torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], eps),
-                       _rms(h, w[p + "hidden_norm.weight"], eps)], -1)
-        residual = h
-    else:
-        x = torch.cat([embeds, hidden], -1) @ w["fc.weight"].T + w["fc.bias"]
-        residual = x
-    P = x.shape[0]
-    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(1, P, nh, hd).transpose(1, 2)
-    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(1, P, nkv, hd).transpose(1, 2)
-    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(1, P, nkv, hd).transpose(1, 2)
-    cos, sin = LlamaRotaryEmbedding(cfg)(v, torch.arange(P)[None])
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-    scores = (q @ k.transpose(-1, -2)) / hd ** 0.5
-    scores = scores.masked_fill(torch.triu(torch.ones(P, P, dtype=torch.bool), 1), -torch.inf)
-    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(P, nh * hd)
-    residual = residual + attn @ w[p + "self_attn.o_proj.weight"].T
-    hn = _rms(residual, w[p + "post_attention_layernorm.weight"], eps)
-    mlp = (torch.nn.functional.silu(hn @ w[p + "mlp.gate_proj.weight"].T)
-           * (hn @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-    out = residual + mlp
-    if eagle3:
-        logits = _rms(out, w["norm.weight"], eps) @ w["lm_head.weight"].T
-    else:
-        logits = target.lm_head(out)
-    return out, logits
-
-
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
 def test_eagle_heads_match_a_pytorch_implementation(algorithm, checkpoint, engine_kwargs,
                                                     eagle_head):
     path = checkpoint("tiny-llama")
     head_dir = eagle_head(algorithm, "tiny-llama")
     prompt = np.random.default_rng(3).integers(8, 1024, size=37).tolist()
-    engine = Engine(model_path=str(path), **dict(engine_kwargs, **SPEC_ENGINE),
+    engine = Engine(model_path=str(path), **dict(engine_kwargs, **SPECULATIVE_ENGINE),
                     speculative_algorithm=algorithm, speculative_draft_model_path=str(head_dir),
                     speculative_num_steps=STEPS)
     try:

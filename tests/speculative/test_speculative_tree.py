@@ -12,13 +12,8 @@ from jaxrunner.sampling.batch import SamplingBatch
 from jaxrunner.sampling.params import SamplingParams
 from jaxrunner.speculative.tree import accept_tree_greedy, ancestry, compact_path_kv, expand, select
 from jaxrunner.speculative.tree_sampling import accept_tree_sampled
-from tests.engine.test_engine import CompileCounter, assert_no_kv_cache_copy
-from tests.speculative.test_speculative import (
-    _chi2_pvalue,
-    _target_first_token_probs,
-    run,
-    workload,
-)
+from tests.support.engine import CompileCounter, assert_no_kv_cache_copy
+from tests.support.speculative import chi2_pvalue, serve_checked, target_first_token_probs
 
 # 8 nodes: the 7 best of the tree's 10 candidates. The full-depth check needs the target's
 # greedy path to survive the pruning by cumulative score (SGLang's rule, which does not promise
@@ -111,13 +106,13 @@ TREE = dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=TOPK,
             speculative_num_steps=STEPS, speculative_num_draft_tokens=NODES)
 
 
-def test_a_tree_keeps_the_greedy_tokens_and_accepts_the_full_depth(checkpoint, engine_kwargs):
+def test_a_tree_keeps_the_greedy_tokens_and_accepts_the_full_depth(checkpoint, engine_kwargs,
+                                                                   greedy_workload):
     """Ragged requests sharing prefixes, chunked: identical greedy tokens, 0 compiles after
-    warm-up and every page free (`test_speculative.run`), and every round accepts all STEPS
-    levels of the tree plus the target's token."""
+    warm-up and every page free (`serve_checked`), and every round accepts all STEPS levels of
+    the tree plus the target's token."""
     path = checkpoint("tiny-llama")
-    prompts, params = workload(1024)
-    want = [o["output_ids"] for o in run(path, engine_kwargs, prompts, params)]
+    prompts, params, want = greedy_workload("tiny-llama")
 
     def more_checks(engine):
         # The tree steps (and the path's KV move) copy no KV cache.
@@ -131,8 +126,8 @@ def test_a_tree_keeps_the_greedy_tokens_and_accepts_the_full_depth(checkpoint, e
         assert counter.count == 0
         assert outs[0]["output_ids"] == outs[1]["output_ids"] != outs[2]["output_ids"]
 
-    outs = run(path, engine_kwargs, prompts, params, check=more_checks, **TREE,
-               speculative_draft_model_path=str(path))
+    outs = serve_checked(path, engine_kwargs, prompts, params, check=more_checks, **TREE,
+                         speculative_draft_model_path=str(path))
     assert [o["output_ids"] for o in outs] == want
     for out, p in zip(outs, params):
         rounds = -(-(p["max_new_tokens"] - 1) // (STEPS + 1))
@@ -156,27 +151,27 @@ def test_tree_sampling_keeps_the_targets_distribution_and_a_wrong_rule_does_not(
     rng = np.random.default_rng(1)
     V, n = 12, 20000
     logits = (2.0 * rng.standard_normal((6, V))).astype(np.float32)
-    probs = _target_first_token_probs(logits)
+    probs = target_first_token_probs(logits)
     order = np.argsort(-probs)
     # The root's children are the target's two most likely tokens; slot 1 has child 3.
     tokens = np.array([0, order[0], order[1], 3, 5, 7], np.int32)
     accept, out = _tree_samples(jnp.asarray(logits), tokens, n)
     first = out[:, 0]
-    assert _chi2_pvalue(np.bincount(first, minlength=V), probs) > 1e-3
+    assert chi2_pvalue(np.bincount(first, minlength=V), probs) > 1e-3
     # Every branch ran: the first child, the second after it, neither.
     for token in (order[0], order[1]):
         assert 0.05 < np.mean(first == token) < 0.95
     assert 0.02 < np.mean(accept == 0) < 0.95
     # One level down: after the first child, the next token has slot 1's distribution.
     second = out[first == order[0], 1]
-    assert _chi2_pvalue(np.bincount(second, minlength=V), _target_first_token_probs(logits[1:])
+    assert chi2_pvalue(np.bincount(second, minlength=V), target_first_token_probs(logits[1:])
                         ) > 1e-3
     # A wrong rule: when both children are rejected, draw from p rather than from p without
     # them (the siblings' residual).
     wrong = first.copy()
     redo = accept == 0
     wrong[redo] = rng.choice(V, size=int(redo.sum()), p=probs)
-    assert _chi2_pvalue(np.bincount(wrong, minlength=V), probs) < 1e-6
+    assert chi2_pvalue(np.bincount(wrong, minlength=V), probs) < 1e-6
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.speculative.ngram import NgramProposer
-from tests.engine.test_engine import CompileCounter, assert_no_kv_cache_copy
-from tests.speculative.test_speculative import eagle_head, run, torch_head, workload  # noqa: F401
+from tests.support.engine import CompileCounter, assert_no_kv_cache_copy
+from tests.support.speculative import serve_checked, torch_head
 
 TOPK, STEPS, NODES = 2, 3, 7
 
@@ -130,19 +130,12 @@ def _sampled_runs_are_reproducible(engine, prompt):
     assert outs[0]["output_ids"] == outs[1]["output_ids"] != outs[2]["output_ids"]
 
 
-@pytest.fixture(scope="module")
-def greedy_baseline(checkpoint, engine_kwargs):
-    prompts, params = workload(1024)
-    return prompts, params, [o["output_ids"] for o in run(checkpoint("tiny-llama"),
-                                                         engine_kwargs, prompts, params)]
-
-
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
 def test_an_eagle_tree_keeps_the_greedy_tokens_and_drafts_as_the_chain_would(
-        algorithm, checkpoint, engine_kwargs, eagle_head, greedy_baseline):
+        algorithm, checkpoint, engine_kwargs, eagle_head, greedy_workload):
     path = checkpoint("tiny-llama")
     head_dir = eagle_head(algorithm, "tiny-llama")
-    prompts, params, want = greedy_baseline
+    prompts, params, want = greedy_workload("tiny-llama")
     prompt = np.random.default_rng(3).integers(8, 1024, size=37).tolist()
     seen = {}
 
@@ -156,7 +149,7 @@ def test_an_eagle_tree_keeps_the_greedy_tokens_and_drafts_as_the_chain_would(
         assert counter.count == 0
         _sampled_runs_are_reproducible(engine, prompts[0])
 
-    outs = run(path, engine_kwargs, prompts, params, check=more_checks,
+    outs = serve_checked(path, engine_kwargs, prompts, params, check=more_checks,
                speculative_algorithm=algorithm, speculative_draft_model_path=str(head_dir),
                speculative_eagle_topk=TOPK, speculative_num_steps=STEPS,
                speculative_num_draft_tokens=NODES)
@@ -190,9 +183,9 @@ def test_ngram_tries_merge_the_continuations_of_recent_matches():
 
 
 def test_ngram_trees_keep_the_greedy_tokens_and_accept_drafts(checkpoint, engine_kwargs,
-                                                              greedy_baseline):
-    prompts, params, want = greedy_baseline
-    outs = run(checkpoint("tiny-llama"), engine_kwargs, prompts, params,
+                                                              greedy_workload):
+    prompts, params, want = greedy_workload("tiny-llama")
+    outs = serve_checked(checkpoint("tiny-llama"), engine_kwargs, prompts, params,
                check=lambda engine: _sampled_runs_are_reproducible(engine, prompts[1]),
                speculative_algorithm="NGRAM", speculative_eagle_topk=TOPK,
                speculative_num_steps=STEPS, speculative_num_draft_tokens=NODES)

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrunner import Engine
-from tests.engine.test_engine import CompileCounter, _all_pages_free
-from tests.engine.test_engine import test_no_executable_copies_the_kv_cache as check_no_kv_copy
+from tests.support.engine import CompileCounter, all_pages_free, assert_no_kv_cache_copy
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 VOCAB = 1024  # the tiny models'
@@ -69,7 +68,7 @@ def test_split_prefill_gives_plain_prefills_greedy_tokens_without_compiling(spli
     # Both layers of tiny-llama, a range each, for several batches.
     assert split.ranges.count(2) >= 2 and split.ranges.count(1) == split.ranges.count(2)
     assert got == [plain_tokens[tuple(p)] for p, _ in RAGGED]
-    assert _all_pages_free(split)
+    assert all_pages_free(split)
 
 
 def test_abort_mid_split_leaves_the_others_exact_and_frees_every_page(split, plain_tokens):
@@ -89,9 +88,9 @@ def test_abort_mid_split_leaves_the_others_exact_and_frees_every_page(split, pla
     for req in [first] + others:
         if req is not victim:
             assert req.output_ids == plain_tokens[tuple(req.origin_input_ids)]
-    assert _all_pages_free(split)
+    assert all_pages_free(split)
 
 
 def test_no_split_prefill_executable_copies_the_kv_cache(split):
     assert any(bucket.mode.is_split_prefill() for bucket, _ in split.runner.executables)
-    check_no_kv_copy(split)
+    assert_no_kv_cache_copy(split.runner)

@@ -12,7 +12,7 @@ from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.sampling.params import SamplingParams
 from jaxrunner.split_prefill.step import LayerRange
-from tests.engine.test_engine import CompileCounter, _all_pages_free
+from tests.support.engine import CompileCounter, all_pages_free
 
 
 @pytest.fixture(scope="module")
@@ -69,4 +69,4 @@ def test_any_layer_range_of_a_moe_model_composes_to_the_plain_step(moe):
                                        err_msg=str(ranges))
             np.testing.assert_array_equal(counts, want_counts, err_msg=str(ranges))
     assert counter.count == 0
-    assert _all_pages_free(moe)
+    assert all_pages_free(moe)

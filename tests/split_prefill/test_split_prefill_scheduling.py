@@ -1,4 +1,4 @@
-"""Split prefill's scheduling against the fake model worker (tests/scheduler/fake_worker.py), no
+"""Split prefill's scheduling against the fake model worker (tests/support/fake_worker.py), no
 jax: the ranges of a prefill batch interleave with decode steps, tokens equal the fake model's
 reference (so no page is booked twice, freed early or lost), abort and retraction mid-split give
 every
@@ -9,8 +9,8 @@ import pytest
 from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.config import EngineArgs
 from jaxrunner.scheduler.scheduler import Scheduler
-from tests.scheduler.fake_worker import FakeWorker
-from tests.scheduler.test_scheduler_fake_worker import (
+from tests.support.fake_worker import FakeWorker
+from tests.support.scheduler import (
     assert_all_free,
     assert_reference,
     make_req,

@@ -12,7 +12,7 @@ from jaxrunner.batch.schedule_batch import ModelWorkerBatch
 from jaxrunner.speculative.spec_worker import SpeculativeWorker
 from jaxrunner.worker.contract import SpeculativeWorkerProtocol, WorkerProtocol
 from jaxrunner.worker.model_worker import ModelWorker
-from tests.scheduler.fake_worker import FakeSpecWorker, FakeWorker
+from tests.support.fake_worker import FakeSpecWorker, FakeWorker
 
 
 def _declared(cls) -> dict[str, object]:

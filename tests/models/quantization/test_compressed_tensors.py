@@ -20,14 +20,9 @@ from transformers import AutoModelForCausalLM
 from jaxrunner import Engine
 from models.quantization.config import from_hf_config
 from models.quantization.linear import QuantConfig
-from tests.models.quantization.test_quantization import (
-    PROJECTIONS,
-    SMALL,
-    _layer_params,
-    _prompts,
-    torch_quantize,
-)
-from tests.models.test_hf_parity import _prefill_logits
+from tests.support.parity import prefill_logits
+from tests.support.presets import TWO_PROMPT_ENGINE
+from tests.support.quantization import PROJECTIONS, layer_params, quant_prompts, torch_quantize
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
 
@@ -81,7 +76,7 @@ def compressed(request, checkpoint, tmp_path_factory, engine_kwargs):
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = _scheme(kind, strategy)
     (dst / "config.json").write_text(json.dumps(config))
-    engine = Engine(model_path=str(dst), **dict(engine_kwargs, **SMALL))
+    engine = Engine(model_path=str(dst), **dict(engine_kwargs, **TWO_PROMPT_ENGINE))
     yield kind, method, src, written, engine, dst
     engine.shutdown()
 
@@ -91,7 +86,7 @@ def test_loads_as_written(compressed):
     assert engine.runner.model_config.quantization == QuantConfig(
         method, prequantized=True, checkpoint_format="compressed-tensors",
         per_tensor_scale=kind == "float")
-    for name, (kernel, scale) in _layer_params(engine).items():
+    for name, (kernel, scale) in layer_params(engine).items():
         q, want_scale = written[f"{name}.weight"], written[f"{name}.weight_scale"]
         np.testing.assert_array_equal(kernel.T.view(np.uint8), q.view(np.uint8))
         np.testing.assert_array_equal(scale[0], np.broadcast_to(want_scale.reshape(-1),
@@ -122,8 +117,8 @@ def test_prefill_logits_match_hf_w8a8_reference(compressed):
     for name, module in hf.named_modules():
         if any(name.endswith(p) for p in PROJECTIONS):
             module.register_forward_pre_hook(lambda m, args: (_fake_quant(args[0], kind),))
-    prompts = _prompts(engine.model_config.vocab_size)
-    ours, _ = _prefill_logits(engine, prompts)
+    prompts = quant_prompts(engine.model_config.vocab_size)
+    ours, _ = prefill_logits(engine, prompts)
     for prompt, got in zip(prompts, ours):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0].numpy()
@@ -146,7 +141,7 @@ def test_nonzero_zero_points_named(compressed, tmp_path, engine_kwargs):
     name = "model.layers.1.mlp.up_proj.weight_zero_point"
     save_file({**written, name: np.ones_like(written[name])}, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"'{name}'.*non-zero zero points"):
-        Engine(model_path=str(bad), **dict(engine_kwargs, **SMALL))
+        Engine(model_path=str(bad), **dict(engine_kwargs, **TWO_PROMPT_ENGINE))
 
 
 def _with(path: list, value):

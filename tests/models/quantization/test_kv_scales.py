@@ -16,14 +16,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from jaxrunner import Engine
-from tests.models.quantization.test_quantization import (
-    SMALL,
-    _prompts,
-    assert_serves_without_compiles,
-    hf_logits,
-    relative_error,
-)
-from tests.models.test_hf_parity import _prefill_logits
+from tests.support.parity import hf_logits, prefill_logits, relative_error
+from tests.support.presets import TWO_PROMPT_ENGINE
+from tests.support.quantization import assert_serves_without_compiles, quant_prompts
 
 # Scales far from 1 on both sides: K / 48 lands mostly in e4m3's subnormals (coarse steps), so
 # a scale applied wrongly or not at all shows in the logits. Layer 0 publishes them as
@@ -49,7 +44,7 @@ def test_orbax_weights_run_an_fp8_cache_without_scales(orbax_llama, engine_kwarg
     """orbax checkpoints publish no KV scales: the model is built without them (1.0). First in
     the module: while the module's engine lives, it forbids compiles to every other."""
     engine = Engine(model_path=str(orbax_llama), kv_cache_dtype="fp8_e4m3",
-                    **dict(engine_kwargs, **SMALL))
+                    **dict(engine_kwargs, **TWO_PROMPT_ENGINE))
     try:
         leaves = {path[-1] for path, _ in nnx.to_flat_state(engine.runner.state)}
         assert "k_scale" not in leaves and "kernel" in leaves
@@ -65,7 +60,7 @@ def scaled(checkpoint, tmp_path_factory, engine_kwargs):
     path = _write(src, tmp_path_factory.mktemp("kv_scales") / "ckpt",
                   _scale_tensors(SCALES[0][0], SCALES[0][1], SCALES[1][0]))
     engine = Engine(model_path=str(path), kv_cache_dtype="fp8_e4m3",
-                    **dict(engine_kwargs, **SMALL))
+                    **dict(engine_kwargs, **TWO_PROMPT_ENGINE))
     yield path, engine
     engine.shutdown()
 
@@ -99,8 +94,8 @@ def test_scales_read_per_layer(scaled):
 
 def test_prefill_logits_apply_the_scales(scaled):
     path, engine = scaled
-    prompts = _prompts(engine.model_config.vocab_size)
-    ours, _ = _prefill_logits(engine, prompts)
+    prompts = quant_prompts(engine.model_config.vocab_size)
+    ours, _ = prefill_logits(engine, prompts)
     with_scales = _hf_fp8_kv(path, SCALES)
     without = _hf_fp8_kv(path, {0: (1.0, 1.0), 1: (1.0, 1.0)})
     for prompt, got in zip(prompts, ours):

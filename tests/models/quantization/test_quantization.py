@@ -6,7 +6,6 @@ until the module ends)."""
 
 from flax import nnx
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -16,74 +15,21 @@ from transformers import AutoModelForCausalLM
 from jaxrunner import Engine
 from models.llama import LlamaForCausalLM
 from models.quantization.linear import dequantize
-from tests.models.test_hf_parity import _prefill_logits
-
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-BLOCK = 128
-PROMPT_LENS = [7, 100]   # ragged, crossing page boundaries
-# Few buckets: the engines here compile in a fraction of the default's time.
-SMALL = dict(max_running_requests=len(PROMPT_LENS), max_prefill_tokens=128)
-
-
-def _prompts(vocab_size):
-    rng = np.random.default_rng(0)
-    return [rng.integers(3, vocab_size, size=n).tolist() for n in PROMPT_LENS]
-
-
-def hf_logits(hf, prompt) -> np.ndarray:
-    """An HF model's float logits [T, V] over one prompt."""
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0].numpy()
-
-
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
-
-
-def assert_serves_without_compiles(engine, max_new_tokens: int = 4) -> None:
-    """A warm engine's greedy requests (ragged, one past a page) get every token, compiling
-    nothing."""
-    compiles = engine.compile_monitor.count
-    out = engine.generate(input_ids=[[5, 6, 7], [9] * 40],
-                          sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0})
-    assert all(len(o["output_ids"]) == max_new_tokens for o in out)
-    assert engine.compile_monitor.count == compiles
-
-
-def torch_quantize(weight: np.ndarray, method: str) -> tuple[np.ndarray, np.ndarray]:
-    """The reference quantizer, written against torch: an HF weight [out, in] -> (quantized
-    [out, in], float32 scale [out]), symmetric per output channel."""
-    w = torch.from_numpy(np.asarray(weight, np.float32))
-    amax = w.abs().amax(dim=1)
-    if method == "fp8":
-        qmax = torch.finfo(torch.float8_e4m3fn).max
-        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-        q = (w / scale[:, None]).clamp(-qmax, qmax).to(torch.float8_e4m3fn)
-        return q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn), scale.numpy()
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.numpy(), scale.numpy()
-
-
-def _layer_params(engine):
-    """HF projection name prefix -> (kernel [in, out], scale) as the engine holds them."""
-    flat = dict(nnx.to_flat_state(engine.runner.state))
-    out = {}
-    for layer in range(engine.model_config.num_hidden_layers):
-        for proj in PROJECTIONS:
-            path = ("model", "layers", 0, *proj.split("."))
-            kernel = np.asarray(flat[path + ("kernel",)].get_value())[layer]
-            scale = np.asarray(flat[path + ("weight_scale",)].get_value())[layer]
-            out[f"model.layers.{layer}.{proj}"] = (kernel, scale)
-    return out
+from tests.support.parity import hf_logits, prefill_logits, relative_error
+from tests.support.presets import TWO_PROMPT_ENGINE
+from tests.support.quantization import (
+    assert_serves_without_compiles,
+    layer_params,
+    quant_prompts,
+    torch_quantize,
+)
 
 
 @pytest.fixture(scope="module", params=["int8", "fp8"])
 def quantized(request, checkpoint, engine_kwargs):
     path = checkpoint("tiny-llama")
     engine = Engine(model_path=str(path), quantization=request.param,
-                    **dict(engine_kwargs, **SMALL))
+                    **dict(engine_kwargs, **TWO_PROMPT_ENGINE))
     yield request.param, path, engine
     engine.shutdown()
 
@@ -91,7 +37,7 @@ def quantized(request, checkpoint, engine_kwargs):
 def test_quantizer_matches_torch_bit_for_bit(quantized):
     method, path, engine = quantized
     weights = load_file(str(path / "model.safetensors"))
-    for name, (kernel, scale) in _layer_params(engine).items():
+    for name, (kernel, scale) in layer_params(engine).items():
         want_q, want_scale = torch_quantize(weights[f"{name}.weight"], method)
         assert kernel.dtype == want_q.dtype
         np.testing.assert_array_equal(kernel.T.view(np.uint8), want_q.view(np.uint8),
@@ -106,12 +52,12 @@ def test_prefill_logits_match_hf_on_dequantised_weights(quantized, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     state = hf.state_dict()
     quant = engine.runner.model_config.quantization
-    for name, (kernel, scale) in _layer_params(engine).items():
+    for name, (kernel, scale) in layer_params(engine).items():
         state[f"{name}.weight"] = torch.from_numpy(dequantize(kernel, scale, quant).T.copy())
     hf.load_state_dict(state)
     unquantized = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = _prompts(engine.model_config.vocab_size)
-    ours, _ = _prefill_logits(engine, prompts)
+    prompts = quant_prompts(engine.model_config.vocab_size)
+    ours, _ = prefill_logits(engine, prompts)
     agree = []
     for prompt, got in zip(prompts, ours):
         base = hf_logits(unquantized, prompt)
@@ -128,7 +74,7 @@ def test_prefill_logits_match_hf_on_dequantised_weights(quantized, tmp_path):
 def test_weight_bytes_and_no_compile_after_warmup(quantized):
     method, path, engine = quantized
     assert_serves_without_compiles(engine, max_new_tokens=6)
-    params = _layer_params(engine)
+    params = layer_params(engine)
     weights = sum(k.size for k, _ in params.values())
     scales = sum(s.size for _, s in params.values())
     # The float32 model's bytes, from its shapes alone.

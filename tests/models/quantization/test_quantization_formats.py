@@ -3,7 +3,6 @@ published layout (128x128 blocks), the block matmul against numpy, what XLA:CPU 
 quantized dots, and the errors for bad input (unknown names, unsupported quantization_config,
 missing or mis-shaped scales, conflicts)."""
 
-import json
 import shutil
 
 from flax import nnx
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -21,15 +20,9 @@ from models.config import ModelConfig
 from models.loading.weights import CheckpointReader
 from models.quantization.linear import QuantConfig, dequantize, from_hf_config, quantized_matmul
 from models.sharding import sharded_model_config
-from tests.models.quantization.test_quantization import (
-    BLOCK,
-    PROJECTIONS,
-    SMALL,
-    _prompts,
-    hf_logits,
-    relative_error,
-)
-from tests.models.test_hf_parity import _prefill_logits
+from tests.support.parity import hf_logits, prefill_logits, relative_error
+from tests.support.presets import TWO_PROMPT_ENGINE
+from tests.support.quantization import BLOCK, quant_prompts
 
 
 def test_matmul_block_scales_against_numpy():
@@ -44,49 +37,7 @@ def test_matmul_block_scales_against_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-# ---- a pre-quantized fp8 checkpoint in Hugging Face's published layout ----
-
-def block_quantize_fp8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """HF weight [out, in] -> (float8_e4m3fn [out, in], weight_scale_inv [out/128, in/128]) as
-    DeepSeek / Qwen3-FP8 publish them: one scale per 128x128 block, weight ~ q * scale_inv."""
-    out_dim, in_dim = weight.shape
-    blocks = weight.reshape(out_dim // BLOCK, BLOCK, in_dim // BLOCK, BLOCK).astype(np.float32)
-    scale = np.abs(blocks).max(axis=(1, 3)) / 448.0
-    q = (blocks / scale[:, None, :, None]).reshape(out_dim, in_dim)
-    return q.astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
-
-
-def block_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    full = np.repeat(np.repeat(scale, BLOCK, axis=0), BLOCK, axis=1)
-    return q.astype(np.float32) * full
-
-
-@pytest.fixture(scope="module")
-def fp8_checkpoints(checkpoint, tmp_path_factory):
-    """(pre-quantized fp8 checkpoint, the same weights dequantised as float32)."""
-    src = checkpoint("tiny-llama")
-    root = tmp_path_factory.mktemp("fp8")
-    fp8, dequant = root / "fp8", root / "dequant"
-    for out in (fp8, dequant):
-        shutil.copytree(src, out)
-    tensors = load_file(str(src / "model.safetensors"))
-    quantized, dequantised = {}, {}
-    for name, value in tensors.items():
-        if name.endswith(".weight") and any(p in name for p in PROJECTIONS):
-            q, scale = block_quantize_fp8(value)
-            quantized[name], quantized[name[:-len("weight")] + "weight_scale_inv"] = q, scale
-            dequantised[name] = block_dequantize(q, scale)
-        else:
-            quantized[name] = dequantised[name] = value
-    save_file(quantized, str(fp8 / "model.safetensors"))
-    save_file(dequantised, str(dequant / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}
-    (fp8 / "config.json").write_text(json.dumps(config))
-    return fp8, dequant
-
+# ---- a pre-quantized fp8 checkpoint in Hugging Face's published layout (fp8_checkpoints) ----
 
 def test_prequantized_fp8_block_checkpoint(fp8_checkpoints, engine_kwargs):
     """The published layout read as it comes gives the logits of the same weights dequantised
@@ -94,16 +45,27 @@ def test_prequantized_fp8_block_checkpoint(fp8_checkpoints, engine_kwargs):
     fp8, dequant = fp8_checkpoints
     assert ModelConfig.from_pretrained(fp8).quantization == QuantConfig(
         "fp8", block_size=(BLOCK, BLOCK), prequantized=True)
-    prompts = _prompts(1024)
-    engine = Engine(model_path=str(fp8), **dict(engine_kwargs, **SMALL))
+    prompts = quant_prompts(1024)
+    engine = Engine(model_path=str(fp8), **dict(engine_kwargs, **TWO_PROMPT_ENGINE))
     try:
-        ours, _ = _prefill_logits(engine, prompts)
+        ours, _ = prefill_logits(engine, prompts)
         flat = dict(nnx.to_flat_state(engine.runner.state))
         kernel = flat[("model", "layers", 0, "mlp", "down_proj", "kernel")].get_value()
         assert kernel.dtype == jnp.float8_e4m3fn
         compiles = engine.compile_monitor.count
         engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4})
         assert engine.compile_monitor.count == compiles
+        # Its published scales cannot be remade from float tensors: updated from disk only.
+        name = "model.layers.0.mlp.down_proj.weight"
+        ok, message = engine.update_weights_from_tensor({name: np.zeros((256, 512))})
+        assert not ok and "not implemented for pre-quantized checkpoints" in message, message
+        with pytest.raises(ValueError, match="get_weights_by_name is not implemented for "
+                                             "pre-quantized checkpoints"):
+            engine.get_weights_by_name(name)
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        assert engine.update_weights_from_disk(str(fp8))[0]
+        assert prefill_logits(engine, prompts)[0][0].tolist() == ours[0].tolist()
     finally:
         engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(dequant, dtype=torch.float32).eval()

@@ -20,17 +20,15 @@ from models.loading.weights import CheckpointReader
 from models.quantization.config import resolve
 from models.quantization.linear import QuantConfig, dequantize, quantize_weight
 from models.quantization.moe import QuantizedExperts
-from tests.models.quantization.test_quantization import (
+from tests.support.moe import D, N, expert_weights, random_routing
+from tests.support.parity import hf_logits, prefill_logits, relative_error
+from tests.support.presets import TWO_PROMPT_ENGINE
+from tests.support.quantization import (
     PROJECTIONS,
-    SMALL,
-    _prompts,
     assert_serves_without_compiles,
-    hf_logits,
-    relative_error,
+    quant_prompts,
     torch_quantize,
 )
-from tests.models.test_hf_parity import _prefill_logits
-from tests.models.test_moe import D, N, _random_routing, _weights
 
 EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
 
@@ -43,14 +41,14 @@ def test_grouped_matmuls_on_quantized_experts(grouped_matmul, method):
     rng = np.random.default_rng(3)
     num_slots, quant = 12, QuantConfig(method)
     quantized, dequantised = [], []
-    for w in _weights(rng, num_slots):
+    for w in expert_weights(rng, num_slots):
         parts = [quantize_weight(np.asarray(e), quant) for e in w]
         kernel, scale = np.stack([k for k, _ in parts]), np.stack([s for _, s in parts])
         quantized.append(QuantizedExperts(jnp.asarray(kernel), jnp.asarray(scale)))
         dequantised.append(jnp.asarray(np.stack([dequantize(k, s, quant) for k, s in parts])))
     x = rng.standard_normal((N, D)).astype(np.float32)
     x[31:] = np.nan
-    routing = _random_routing(rng, num_slots, 31)
+    routing = random_routing(rng, num_slots, 31)
     want = np.asarray(moe_reference(jnp.asarray(np.nan_to_num(x)), routing, *dequantised))
     got = np.asarray(jax.jit(expert_mlp, static_argnums=(6, 7))(
         jnp.asarray(x), routing, *quantized, 0, grouped_matmul, num_slots))
@@ -63,7 +61,8 @@ def quantized_moe(checkpoint, engine_kwargs):
     """One engine (a MoE engine compiles for ~45 s on 2 cores): fp8, whose experts the grouped
     matmuls above check in int8 too."""
     path = checkpoint("tiny-qwen3-moe")
-    engine = Engine(model_path=str(path), quantization="fp8", **dict(engine_kwargs, **SMALL))
+    engine = Engine(model_path=str(path), quantization="fp8",
+                    **dict(engine_kwargs, **TWO_PROMPT_ENGINE))
     yield "fp8", path, engine
     engine.shutdown()
 
@@ -125,8 +124,8 @@ def test_prefill_logits_match_hf_on_dequantised_weights(quantized_moe):
         state[prefix + "down_proj"] = torch.from_numpy(np.stack(
             [d.T for d in experts["down_proj"]]))
     hf.load_state_dict(state)
-    prompts = _prompts(cfg.vocab_size)
-    ours, _ = _prefill_logits(engine, prompts)
+    prompts = quant_prompts(cfg.vocab_size)
+    ours, _ = prefill_logits(engine, prompts)
     for prompt, got in zip(prompts, ours):
         rel = relative_error(got, hf_logits(hf, prompt))
         assert rel < 1e-4, f"{method}: relative error {rel:.2e} against the dequantised model"

@@ -80,6 +80,12 @@ class FakeResult:
     def input_logprobs_to_host(self):
         raise NotImplementedError("the fake model has no log-probabilities")
 
+    def hidden_states_to_host(self):
+        raise NotImplementedError("the fake model has no hidden states")
+
+    def pooled_to_host(self):
+        raise NotImplementedError("the fake model pools nothing")
+
 
 @dataclass
 class FakeWorker:
@@ -131,6 +137,9 @@ class FakeWorker:
 
     def forward_batch_dllm(self, batch: ModelWorkerBatch, info):
         raise NotImplementedError("the fake model has no DLLM_EXTEND step")
+
+    def check_device_state(self) -> None:
+        """The fake model keeps its KV on the host: nothing to lose."""
 
     def pick_bucket(self, mode, num_tokens, num_reqs):
         return pick_bucket(self.buckets, executable_mode(mode), num_tokens, num_reqs)

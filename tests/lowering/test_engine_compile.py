@@ -1,0 +1,95 @@
+"""A small model's whole engine compiled by the real TPU and GPU compilers on this CPU.
+
+`compile_for_target` builds the runner the engine would build on that hardware (mesh over the
+compile-only devices, memory planned from the chip's HBM) and compiles every program start-up
+compiles: every bucket's step, every sampler, the slot initialiser, and a feature's programs
+(MoE expert counts and moves, the LoRA pool's write, split prefill, block diffusion, the
+speculative target's verify steps). Each must compile, and report its temporaries; on TPU v6e
+and H100, at TP 1 and TP 4 (a 4-chip slice). Kept small (8 requests, 64-token prefills) so the
+module takes about a minute.
+"""
+
+import pytest
+
+from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.config import EngineArgs
+from jaxrunner.runner.model_runner import compile_for_target
+from jaxrunner.speculative.plan import SpeculativePlan
+from kernels_pallas.targets import H100, TPU_V5E, TPU_V6E
+from models.config import ModelConfig
+from models.testing.random_checkpoint import hf_config
+from tests.lowering.compile_cache import skip_without_compiler
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+SMALL = dict(model_path="unused", dtype="bfloat16", attention_backend="pallas",
+             max_running_requests=8, max_prefill_tokens=64, context_length=1024,
+             compilation_cache_dir=None, show_progress=False)
+NGRAM_TARGET = SpeculativePlan(window=4, aux_layers=(), capture=False, draft_buffer=False,
+                               draft_kv_bytes_per_token=0)
+# (target, TP, preset, extra engine args, speculative plan): TP 1 and 4 on both targets, each
+# carrying a feature's programs besides the plain ones (a runner compiles ~15 programs).
+CASES = [
+    (TPU_V6E, 1, "tiny-qwen3", dict(enable_split_prefill=True), None),
+    (TPU_V6E, 4, "tiny-qwen3-moe", dict(ep_size=4), None),
+    (TPU_V6E, 4, "tiny-sdar", dict(dllm_algorithm="LowConfidence"), None),
+    (H100, 1, "tiny-llama", dict(enable_lora=True, max_lora_rank=16, lora_target_modules="all",
+                                 max_loras_per_batch=4), None),
+    (H100, 4, "tiny-qwen3", {}, NGRAM_TARGET),
+]
+
+
+def _model_config(preset: str, target) -> ModelConfig:
+    """The preset's config; on TPU with head_dim 128. The TPU kernel's head_dim 64 views the
+    cache as packed 128-lane rows, a relayout XLA:TPU makes by copying the whole KV cache in
+    every step (the compiler reports the copy: 77 GB of temporaries for a 25 GB cache on v6e),
+    so a TPU engine is only planned for head_dim 128 and 256 here."""
+    config = hf_config(preset, "bfloat16")
+    if target.platform == "tpu":
+        config = dict(config, head_dim=128)
+    return ModelConfig.from_dict(config)
+
+
+def _case_id(case) -> str:
+    target, tp, preset, extra, speculative = case
+    features = "-".join(sorted(extra)) + ("-speculative" if speculative else "")
+    return f"{target.name}-tp{tp}-{preset}" + (f"-{features}" if features else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_every_program_of_the_engine_compiles(case):
+    target, tp, preset, extra, speculative = case
+    skip_without_compiler(target)
+    args = EngineArgs(**SMALL, **extra, tp_size=tp)
+    runner = compile_for_target(args, _model_config(preset, target), target, num_chips=tp,
+                                speculative=speculative)
+    reports = runner.compiler.reports
+    failed = {name: r.error for name, r in reports.items() if not r.ok}
+    assert not failed
+    steps = [name for name in reports if name.startswith("step ")]
+    assert len(steps) == len(runner.buckets)
+    assert any(name.startswith("sample ") for name in reports)
+    # The steps' temporaries are reported (the attention and MLP activations at least).
+    assert all(reports[name].temp_bytes > 0 for name in steps)
+    # The memory plan is the chip's: the KV cache sized from its HBM, less the weights and the
+    # compiled programs' temporaries.
+    memory = runner.run_plan.memory
+    assert memory.budget is not None
+    assert abs(memory.program_temp - runner.compiler.max_temp_bytes) <= 0.01 * target.hbm_bytes()
+    assert runner.max_total_tokens > 0
+    if speculative is not None:
+        assert any(b.mode == ForwardMode.TARGET_VERIFY for b in runner.buckets)
+
+
+def test_the_kv_cache_is_sized_from_the_compiled_programs():
+    """v5e (16 GB): the plan's estimate of the temporaries is replaced by what the programs
+    report when they differ by more than 1% of the memory; then the KV cache is what the chip's
+    memory leaves after the weights, the compiled temporaries and the margin."""
+    skip_without_compiler(TPU_V5E)
+    args = EngineArgs(**dict(SMALL, max_prefill_tokens=2048, mem_fraction_static=0.99))
+    runner = compile_for_target(args, _model_config("tiny-llama", TPU_V5E), TPU_V5E, num_chips=1)
+    memory, hbm = runner.run_plan.memory, TPU_V5E.hbm_bytes()
+    temp = runner.compiler.max_temp_bytes
+    assert abs(memory.program_temp - temp) <= 0.01 * hbm
+    kv_bytes = memory.num_pages * args.page_size * memory.kv_bytes_per_token
+    assert runner.weights_bytes + kv_bytes + memory.program_temp <= 0.97 * hbm
