@@ -25,13 +25,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models import deepseek_config
+from models import deepseek_config, gemma_config
 from models.layer_types import (
     FULL_ATTENTION,
     LAYER_TYPES,
     SLIDING_ATTENTION,
-    check_window,
-    layer_types_from,
+    layer_windows,
     periodic_runs,
     segments,
 )
@@ -49,10 +48,13 @@ SUPPORTED_ARCHITECTURES = (
     "SDARForCausalLM",
     # Multi-head latent attention and DeepSeekMoE (models/deepseek.py).
     *deepseek_config.ARCHITECTURES,
+    # Gemma 2 and 3 (models/gemma.py).
+    *gemma_config.ARCHITECTURES,
 )
 # Families that normalise their config.json first: architecture -> d -> (the dict in the shared
 # keys' form, ModelConfig fields the family sets itself).
-FAMILY_CONFIGS: dict[str, Any] = {}
+FAMILY_CONFIGS: dict[str, Any] = {arch: gemma_config.normalize
+                                  for arch in gemma_config.ARCHITECTURES}
 # Checkpoints of pooling models (embeddings, classification / reward scores): the causal LM
 # family whose decoder they hold, and their head. A causal LM checkpoint that ships a
 # sentence-transformers pooling config (modules.json: Qwen3-Embedding, gte-Qwen2) is an
@@ -76,8 +78,6 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh
 # Hugging Face's own defaults for keys that configs may leave out.
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
-# HF Mistral applies a 4096 sliding window when the key is absent (an explicit null disables it).
-_MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
 # HF Qwen3Config defaults head_dim to 128 rather than hidden/heads (Qwen3MoeConfig does not).
 _QWEN3_DEFAULT_HEAD_DIM = 128
 # HF Qwen3MoeConfig's defaults for its expert keys (Mixtral's config names them differently).
@@ -427,7 +427,8 @@ class ModelConfig:
         else:
             attention_bias = bool(d.get("attention_bias"))
 
-        sliding_window, layer_types = _layer_windows(arch, d)
+        sliding_window, layer_types = layer_windows(arch, d,
+                                                    normalised=arch in FAMILY_CONFIGS)
         rope, sliding_rope = _rope_per_layer_type(d)
 
         eos = _as_id_tuple(d.get("eos_token_id"))
@@ -517,38 +518,6 @@ def _hidden_act(arch: str, d: dict[str, Any]) -> str:
         raise ValueError(f"hidden_act {act!r} is not supported for {arch}: experts compute "
                          f"silu only")
     return act
-
-
-# HF Qwen2/Qwen3Config: with use_sliding_window, only layers from max_window_layers on slide.
-_QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
-
-
-def _layer_windows(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
-    """(the sliding layers' window or None, each layer's type or () when all are alike) as
-    transformers applies them for `arch`."""
-    layers = int(d["num_hidden_layers"])
-    if arch == "MistralForCausalLM":
-        window, types = d.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW), None
-    elif arch == "MixtralForCausalLM":
-        window, types = d.get("sliding_window"), None  # HF Mixtral: none unless given
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM"):
-        # Per layer: `layer_types` (transformers 5) or use_sliding_window + max_window_layers.
-        window = d.get("sliding_window") if d.get("use_sliding_window") else None
-        start = d.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS)
-        types = layer_types_from(d.get("layer_types"), layers, lambda i: i >= start)
-    elif arch == "Qwen3MoeForCausalLM":
-        window, types = (d.get("sliding_window") if d.get("use_sliding_window") else None), None
-    elif arch in FAMILY_CONFIGS:  # normalised to the shared keys
-        window = d.get("sliding_window")
-        types = layer_types_from(d.get("layer_types"), layers, lambda i: True)
-    else:
-        window, types = None, None
-    if window is None or (types is not None and SLIDING_ATTENTION not in types):
-        return None, ()
-    window = check_window(window)
-    if types is None or FULL_ATTENTION not in types:
-        return window, ()  # every layer slides
-    return window, types
 
 
 def _rope_per_layer_type(d: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:

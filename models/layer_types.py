@@ -18,6 +18,7 @@ run whose period is one layer: a plain scan, as before.
 """
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -50,6 +51,47 @@ def check_window(window, name: str = "sliding_window") -> int:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{name} must be a positive integer, got {window!r}")
     return window
+
+
+# HF Mistral applies a 4096 sliding window when the key is absent (an explicit null disables it).
+_MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
+# HF Qwen2/Qwen3Config: with use_sliding_window, only layers from max_window_layers on slide.
+_QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+def layer_windows(arch: str, d: dict[str, Any], normalised: bool = False
+                  ) -> tuple[int | None, tuple[str, ...]]:
+    """(the sliding layers' window or None, each layer's type or () when all are alike) as
+    transformers applies them for `arch` (config.json `d`; `normalised`: a family's module
+    brought it to the shared keys, with `layer_types`). Raises ValueError naming a bad
+    window or list."""
+    layers = int(d["num_hidden_layers"])
+    if arch == "MistralForCausalLM":
+        window, types = d.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW), None
+    elif arch == "MixtralForCausalLM":
+        window, types = d.get("sliding_window"), None  # HF Mixtral: none unless given
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM"):
+        # Per layer: `layer_types` (transformers 5) or use_sliding_window + max_window_layers.
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        start = d.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+        types = layer_types_from(d.get("layer_types"), layers, lambda i: i >= start)
+    elif arch == "Qwen3MoeForCausalLM":
+        window, types = (d.get("sliding_window") if d.get("use_sliding_window") else None), None
+    elif normalised:
+        window = d.get("sliding_window")
+        types = layer_types_from(d.get("layer_types"), layers, lambda i: True)
+    else:
+        window, types = None, None
+    if window is None or (types is not None and SLIDING_ATTENTION not in types):
+        return None, ()
+    window = check_window(window)
+    context = int(d["max_position_embeddings"])
+    if window > context:
+        raise ValueError(f"sliding_window {window} is larger than the context "
+                         f"(max_position_embeddings {context})")
+    if types is None or FULL_ATTENTION not in types:
+        return window, ()  # every layer slides
+    return window, types
 
 
 def periodic_runs(kinds: Sequence[Hashable]) -> list[tuple[int, int, int]]:

@@ -87,13 +87,21 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x):
+    def normalized(self, x):
+        """x over its root mean square, in float32."""
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * xf.astype(x.dtype)
+        return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+
+    def __call__(self, x):
+        return self.weight[...] * self.normalized(x).astype(x.dtype)
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention with rope. Another family's attention changes the q/k norms'
+    class (`norm_class`: Gemma's (1 + w) norm, models/gemma.py)."""
+
+    norm_class = RMSNorm
+
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, d_in: int | None = None):
         """`d_in`: the q/k/v projections' input width (EAGLE-3's layer reads [embed; hidden])."""
         H, K, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
@@ -107,8 +115,8 @@ class Attention(nnx.Module):
         self.o_proj = Linear(H * Dh, D, bias=cfg.o_proj_bias, dtype=dtype, rngs=rngs,
                              quant=quant)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, dtype)
+            self.q_norm = self.norm_class(Dh, cfg.rms_norm_eps, dtype)
+            self.k_norm = self.norm_class(Dh, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
         # An fp8 KV cache's scales of this layer (models/quantization/kv_scales.py), [L] once

@@ -1,7 +1,8 @@
 """Which model class serves which config.json `architectures`."""
 
-from models import deepseek
+from models import deepseek, gemma_config
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
 from models.llama_pooling import LlamaForPooling
 
@@ -9,6 +10,8 @@ from models.llama_pooling import LlamaForPooling
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 MODEL_CLASSES.update(DeepseekV2ForCausalLM=deepseek.DeepseekV2ForCausalLM,
                      DeepseekV3ForCausalLM=deepseek.DeepseekV3ForCausalLM)
+# Gemma 2 and 3 are a family of their own (models/gemma.py).
+MODEL_CLASSES.update({arch: GemmaForCausalLM for arch in gemma_config.ARCHITECTURES})
 
 
 def model_class(cfg: ModelConfig):

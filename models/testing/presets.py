@@ -185,3 +185,89 @@ PRESETS["tiny-qwen2-reward"] = dict(PRESETS["tiny-qwen2"],
 PRESETS["tiny-llama-classifier"] = dict(PRESETS["tiny-llama"],
                                         architecture="LlamaForSequenceClassification",
                                         num_labels=3, id2label=["negative", "neutral", "positive"])
+
+# Gemma 2 and Gemma 3 (models/gemma.py) at the real models' head_dim of 256, with windows shorter
+# than the longer test prompts so the sliding layers slide, a query scale other than head_dim's,
+# and soft caps small enough to bend what they cap. tiny-gemma2 is written as transformers 4
+# writes it (alternation implied), tiny-gemma3 as transformers 5 does (layer_types, a rope per
+# layer type): 7 layers of pattern 3 make a run of two (sliding, sliding, full) periods and a
+# sliding layer after it.
+_GEMMA = dict(_COMMON, num_hidden_layers=4, head_dim=256, tie_word_embeddings=True,
+              hidden_act="gelu_pytorch_tanh", sliding_window=32, query_pre_attn_scalar=64)
+PRESETS["tiny-gemma2"] = dict(
+    _GEMMA,
+    architecture="Gemma2ForCausalLM",
+    sliding_window_pattern=2,
+    attn_logit_softcapping=5.0,
+    final_logit_softcapping=20.0,
+    rope_form="v4",
+    rope=dict(rope_type="default", rope_theta=10000.0),
+)
+PRESETS["tiny-gemma3"] = dict(
+    _GEMMA,
+    architecture="Gemma3ForCausalLM",
+    num_hidden_layers=7,
+    sliding_window_pattern=3,
+    rope_form="v5",
+    rope=dict(rope_type="linear", rope_theta=1e6, factor=8.0),
+    rope_local_base_freq=10000.0,
+)
+# Held out (tests/models/test_swa_parity.py checks them as the above): Gemma 2 as transformers 5
+# writes it (layer_types), 5 layers (a run of two (sliding, full) periods and a sliding layer),
+# 8 query heads on 2 KV heads of 128, a 40-token window and the attention soft cap only; Gemma 3 as transformers 4 writes it (sliding_window_pattern,
+# rope_local_base_freq), one KV head for 2 query heads, a period of 3 sliding layers and a full
+# one with a sliding layer after it, a 24-token window and unscaled ropes.
+PRESETS["tiny-gemma2-alt"] = dict(
+    _GEMMA,
+    architecture="Gemma2ForCausalLM",
+    num_hidden_layers=5,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    sliding_window=40,
+    sliding_window_pattern=2,
+    query_pre_attn_scalar=128,
+    attn_logit_softcapping=8.0,
+    final_logit_softcapping=None,
+    rope_form="v5",
+    rope=dict(rope_type="default", rope_theta=10000.0),
+)
+PRESETS["tiny-gemma3-alt"] = dict(
+    _GEMMA,
+    architecture="Gemma3ForCausalLM",
+    num_hidden_layers=5,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    sliding_window=24,
+    sliding_window_pattern=4,
+    query_pre_attn_scalar=256,
+    rope_form="v4",
+    rope=dict(rope_type="default", rope_theta=1e6),
+    rope_local_base_freq=20000.0,
+)
+# The benchmark's Gemma 3: Gemma 3 1B's attention (4 query heads, one KV head of 256, a 512-token
+# window on five layers of six) at the "small" model's width, and a 32k context.
+PRESETS["small-gemma3"] = dict(
+    PRESETS["tiny-gemma3"],
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    vocab_size=32000,
+    max_position_embeddings=32768,
+    sliding_window=512,
+    sliding_window_pattern=6,
+    query_pre_attn_scalar=256,
+)
+# Windows in the Llama family: Mistral's on every layer, shorter than the longer test prompts;
+# Qwen2's from `max_window_layers` on (layers 1 and 2 of 3).
+PRESETS["tiny-mistral-swa"] = dict(
+    _COMMON,
+    architecture="MistralForCausalLM",
+    sliding_window=48,
+    rope_form="v4",
+    rope=dict(rope_type="default", rope_theta=10000.0),
+)
+PRESETS["tiny-qwen2-swa"] = dict(PRESETS["tiny-qwen2"], num_hidden_layers=3, sliding_window=24,
+                                 max_window_layers=1)

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from models.testing import deepseek_checkpoint
+from models.testing import deepseek_checkpoint, gemma_checkpoint
 from models.config import POOLING_ARCHITECTURES
 from models.testing.pooling_files import pooling_config_entries, write_pooling_files
 from models.testing.presets import PRESETS
@@ -50,6 +50,7 @@ _MODEL_TYPES = {
     "SDARForCausalLM": "sdar",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    **gemma_checkpoint.ARCHITECTURES,
 }
 # A pooling model's checkpoint has its decoder family's model type.
 _MODEL_TYPES.update({arch: _MODEL_TYPES[family]
@@ -181,8 +182,11 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
     if arch == "LlamaForCausalLM":
         config["mlp_bias"] = spec.get("mlp_bias", False)
     if arch in ("Qwen2ForCausalLM", *qwen3_like):
-        config.update(use_sliding_window=False, sliding_window=None,
-                      max_window_layers=spec["num_hidden_layers"])
+        config.update(use_sliding_window="sliding_window" in spec,
+                      sliding_window=spec.get("sliding_window"),
+                      max_window_layers=spec.get("max_window_layers", spec["num_hidden_layers"]))
+    if arch == "MistralForCausalLM":
+        config["sliding_window"] = spec.get("sliding_window")
     if arch == "Qwen3MoeForCausalLM":
         config.update(num_experts=spec["num_experts"],
                       num_experts_per_tok=spec["num_experts_per_tok"],
@@ -210,6 +214,8 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
         config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
         config["torch_dtype"] = dtype
         config["transformers_version"] = "4.51.0"
+    if gemma_checkpoint.is_gemma(spec):
+        config.update(gemma_checkpoint.config_entries(spec))
     return config
 
 
@@ -290,6 +296,8 @@ def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, 
                 f"{p}.self_attn.q_norm.weight": (hd,),
                 f"{p}.self_attn.k_norm.weight": (hd,),
             })
+        if gemma_checkpoint.is_gemma(spec):
+            shapes.update(gemma_checkpoint.layer_shapes(spec, p))
     shapes["model.norm.weight"] = (d,)
     if head == "classification":
         shapes["score.weight"] = (spec["num_labels"], d)
@@ -386,7 +394,10 @@ def _materialise(
     names: list[str], shapes: dict, seed: int, dtype: np.dtype, spec: dict
 ) -> dict[str, np.ndarray]:
     scale = spec.get("residual_write_scale", RESIDUAL_WRITE_SCALE)
-    return {n: _init_tensor(n, shapes[n], seed, scale).astype(dtype) for n in names}
+    values = {n: _init_tensor(n, shapes[n], seed, scale) for n in names}
+    if gemma_checkpoint.is_gemma(spec):
+        values = {n: gemma_checkpoint.adjusted(n, v, EMBED_STD) for n, v in values.items()}
+    return {n: v.astype(dtype) for n, v in values.items()}
 
 
 def _split_by_size(names: list[str], shapes: dict, shards: int) -> list[list[str]]:

@@ -26,6 +26,13 @@ def test_native_matches_dense_reference(case, page_size, group, window, soft_cap
     _check_against_dense(case, page_size, group, window, soft_cap)
 
 
+@pytest.mark.parametrize("case,group,window,soft_cap", [("mixed_with_prefix", 2, None, None),
+                                                         ("multi_block", 4, 6, 30.0)])
+def test_native_head_dim_256_matches_dense_reference(case, group, window, soft_cap):
+    """Gemma 2 / 3's head_dim of 256."""
+    _check_against_dense(case, 8, group, window, soft_cap, head_dim=256)
+
+
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("case,page_size,group,window", [("mixed_with_prefix", 8, 4, None),
                                                          ("multi_block", 16, 2, 6)])
@@ -35,11 +42,12 @@ def test_native_fp8_cache_matches_dense_reference(case, page_size, group, window
     _check_against_dense(case, page_size, group, window, None, kv_dtype=kv_dtype)
 
 
-def _check_against_dense(case, page_size, group, window, soft_cap, kv_dtype=None):
+def _check_against_dense(case, page_size, group, window, soft_cap, kv_dtype=None, head_dim=16):
     prefix_lens, new_lens, T, R = CASES[case]
     rng = np.random.default_rng(hash((case, page_size)) % 2**32)
     num_layers, layer, num_pages = 3, 1, 80
-    cfg = AttentionConfig(num_heads=2 * group, num_kv_heads=2, head_dim=16, page_size=page_size,
+    cfg = AttentionConfig(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                          page_size=page_size,
                           sm_scale=0.25, num_layers=num_layers, sliding_window=window,
                           soft_cap=soft_cap)
     max_pages = 256 // page_size

@@ -41,6 +41,12 @@ CASES = [
     Case(seqs=((1, 40), (10, 30), (6, 6)), group=4, head_dim=64, sliding_window=8,
          kv_dtype="float8_e5m2"),
     Case(seqs=((1, 50), (17, 66)), group=2, head_dim=40, page_size=4, kv_dtype="float8_e4m3fn"),
+    # head_dim 256 (Gemma 2 / 3): decode and prefill rows, MQA with a window and a soft cap, and
+    # bfloat16 over several 64-key tiles.
+    Case(seqs=((1, 37), (6, 22), (1, 1), (20, 20)), group=2, head_dim=256),
+    Case(seqs=((5, 90), (1, 70)), group=4, num_kv_heads=1, head_dim=256, sliding_window=20,
+         soft_cap=30.0, q_scale=8.0),
+    Case(seqs=((1, 150), (33, 130)), group=2, head_dim=256, dtype="bfloat16", sliding_window=48),
 ]
 
 

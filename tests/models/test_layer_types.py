@@ -101,3 +101,9 @@ def test_layer_types_refused_by_name():
         ModelConfig.from_dict(dict(_QWEN2, layer_types=[S] * 5))
     with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
         ModelConfig.from_dict(dict(_QWEN2, sliding_window=0, max_window_layers=0))
+    with pytest.raises(ValueError, match="sliding_window 4096 is larger than the context"):
+        ModelConfig.from_dict(dict(_QWEN2, sliding_window=4096, max_window_layers=0))
+    mistral = dict(_QWEN2, architectures=["MistralForCausalLM"], sliding_window=2049)
+    with pytest.raises(ValueError, match="sliding_window 2049 is larger than the context "
+                                         r"\(max_position_embeddings 2048\)"):
+        ModelConfig.from_dict(mistral)

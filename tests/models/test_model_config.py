@@ -84,9 +84,12 @@ def test_qwen3_qk_norm_and_head_dim():
 
 
 def test_sliding_window():
-    assert _cfg(architectures=["MistralForCausalLM"], sliding_window=4096).sliding_window == 4096
-    assert _cfg(architectures=["MistralForCausalLM"], sliding_window=None).sliding_window is None
-    assert _cfg(architectures=["MistralForCausalLM"]).sliding_window == 4096  # HF default
+    # A window larger than the context is refused (tests/models/test_layer_types.py): these
+    # configs' context holds Mistral's default window.
+    mistral = dict(architectures=["MistralForCausalLM"], max_position_embeddings=32768)
+    assert _cfg(**mistral, sliding_window=4096).sliding_window == 4096
+    assert _cfg(**mistral, sliding_window=None).sliding_window is None
+    assert _cfg(**mistral).sliding_window == 4096  # HF default
     assert _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=4096).sliding_window is None
     qwen = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=1024, use_sliding_window=True,
                 max_window_layers=0)

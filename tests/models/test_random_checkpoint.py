@@ -24,7 +24,7 @@ from models.testing.random_checkpoint import (
 )
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-moe-fused",
-        "tiny-mixtral"]
+        "tiny-mixtral", "tiny-gemma2", "tiny-gemma3", "tiny-mistral-swa"]
 TEXTS = [
     "Hello, world!  It's 2024-06-01;\n\n\tindented  x = 3.14159, don't",
     "héllo wörld: 你好, 🙂 ÄÖÜ ß — naïve café",
@@ -68,7 +68,7 @@ def test_our_readers_agree_with_the_file(preset, checkpoints):
     assert cfg.rope.theta == spec["rope"]["rope_theta"]
     assert cfg.eos_token_ids == (EOS_ID, IM_END_ID) and cfg.bos_token_id == BOS_ID
     assert cfg.attention_bias == (preset == "tiny-qwen2")
-    assert cfg.qk_norm == preset.startswith("tiny-qwen3")
+    assert cfg.qk_norm == preset.startswith(("tiny-qwen3", "tiny-gemma3"))
     assert cfg.num_experts == spec.get("num_experts", 0)
     shapes = {n: a.shape for n, a in iter_safetensors(d)}
     assert shapes == tensor_shapes(spec)

@@ -31,12 +31,13 @@ def prefill_logits(engine, prompts, overrides=None):
     worker_batch = batch.get_model_worker_batch(
         worker.pick_bucket(ForwardMode.EXTEND, batch.num_tokens, len(reqs)))
     worker_batch.capture_hidden_mode = CaptureHiddenMode.FULL
-    engine.compile_monitor.allow()  # hidden-state capture compiles on first use
+    # Hidden-state capture compiles on first use: this engine's own compile, which another warm
+    # engine of the process must not refuse either.
     try:
-        out = worker.forward_batch_generation(worker_batch).logits_output
-        logits = np.asarray(engine.runner.compute_logits(out.hidden_states))
+        with engine.compile_monitor.allowed():
+            out = worker.forward_batch_generation(worker_batch).logits_output
+            logits = np.asarray(engine.runner.compute_logits(out.hidden_states))
     finally:
-        engine.compile_monitor.forbid()
         for req in reqs:
             scheduler.allocator.free(scheduler.req_to_token_pool.free_slot(req.req_pool_idx))
     last = np.asarray(out.next_token_logits)
