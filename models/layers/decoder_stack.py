@@ -8,13 +8,10 @@ for a segment of one layer. A uniform run (a period of one layer) is a plain sca
 layers, the program models had before kinds existed.
 
 What a layer of one attention kind reads besides its weights is made once per step, outside
-the scans (`KindInputs`): its cos/sin tables (the kind's rope), the attention backend with its
-window, and its KV pool with that pool's view of the batch. The KV cache is one array
-[L, pages, ...] (every layer in one pool, windows masked) or, with the SWA pool, the pair
-(full layers [Lf, pages, ...], sliding layers [Ls, swa pages, ...]): the sliding layers then
-read the SWA pool's pages (`ForwardBatch.swa`) and index their own pool by their rank among the
-sliding layers. Each pool threads through the scans flat ([layers * pages, ...]: a free
-reshape) as loop state and is updated in place.
+the scans (`KindInputs`): its cos/sin tables (the kind's rope) and the attention backend with
+its window. The KV cache is one array [L, pages, ...] (every layer in one pool, windows
+masked); it threads through the scans flat ([L * pages, ...]: a free reshape) as loop state and
+is updated in place.
 """
 
 from collections.abc import Callable
@@ -24,7 +21,6 @@ from functools import partial
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrunner.attention import AttentionBackend
 from jaxrunner.batch.forward_batch import ForwardBatch
@@ -33,9 +29,6 @@ from models.config import AttentionKind, LayerRun, ModelConfig
 from models.layers.packed import filled, hollow
 from models.layers.rope import step_cos_sin
 
-FULL_POOL, SWA_POOL = 0, 1
-
-
 @dataclass(frozen=True)
 class KindInputs:
     """What the layers of one attention kind read in a step, besides their weights."""
@@ -43,72 +36,41 @@ class KindInputs:
     cos: jax.Array
     sin: jax.Array
     backend: AttentionBackend
-    fb: ForwardBatch          # the batch with its pool's page table and slots
-    meta: object              # the backend's metadata for `fb`
-    pool: int                 # FULL_POOL or SWA_POOL
 
 
 class StepLayers:
-    """A step's per-kind inputs and KV pools for the layers of `cfg` (see the module
-    docstring). `kv_cache`: one array, or the (full, SWA) pair."""
+    """A step's per-kind inputs for the layers of `cfg` (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, fb: ForwardBatch, kv_cache, backend: AttentionBackend):
-        self.cfg = cfg
-        self.swa_pool = isinstance(kv_cache, tuple)
-        self.shapes = tuple(c.shape for c in self.caches(kv_cache))
-        kinds = cfg.attention_kinds
-        self._pool_of = [self._pool(kind) for kind in kinds]
-        # Each layer's index within its pool: its rank among the layers of that pool.
-        ranks = [self._pool_of[:i].count(pool) for i, pool in enumerate(self._pool_of)]
-        self._slot_table = np.asarray(ranks, np.int32)
+        self.fb = fb
+        self.shape = kv_cache.shape
+        self.meta = backend.init_forward_metadata(fb)
         self._inputs: dict[AttentionKind, KindInputs] = {}
-        metas = {}
-        for kind in dict.fromkeys(kinds):
-            pool = self._pool(kind)
-            view = fb.swa_view() if pool == SWA_POOL else fb
-            if pool not in metas:
-                metas[pool] = backend.init_forward_metadata(view)
+        for kind in dict.fromkeys(cfg.attention_kinds):
             cos, sin = step_cos_sin(kind.rope or cfg.rope, cfg.head_dim, fb.positions)
             kind_backend = backend.for_layers(sliding_window=kind.sliding_window,
-                                              num_layers=self.shapes[pool][0])
-            self._inputs[kind] = KindInputs(cos, sin, kind_backend, view, metas[pool], pool)
+                                              num_layers=self.shape[0])
+            self._inputs[kind] = KindInputs(cos, sin, kind_backend)
 
-    def _pool(self, kind: AttentionKind) -> int:
-        return SWA_POOL if self.swa_pool and kind.sliding_window is not None else FULL_POOL
+    def flat(self, kv_cache) -> jax.Array:
+        """The cache viewed as [layers * pages, ...] (a free reshape)."""
+        return kv_cache.reshape(-1, *kv_cache.shape[2:])
 
-    @staticmethod
-    def caches(kv_cache) -> tuple:
-        return kv_cache if isinstance(kv_cache, tuple) else (kv_cache,)
-
-    def flat(self, kv_cache) -> tuple:
-        """Each pool viewed as [layers * pages, ...] (free reshapes)."""
-        return tuple(c.reshape(-1, *c.shape[2:]) for c in self.caches(kv_cache))
-
-    def unflat(self, flats: tuple):
-        """`flat`'s inverse, in the structure the step was given."""
-        caches = tuple(f.reshape(shape) for f, shape in zip(flats, self.shapes))
-        return caches if self.swa_pool else caches[0]
+    def unflat(self, flat: jax.Array) -> jax.Array:
+        """`flat`'s inverse."""
+        return flat.reshape(self.shape)
 
     def inputs(self, kind: AttentionKind) -> KindInputs:
         return self._inputs[kind]
 
-    def slot(self, layer: jax.Array) -> jax.Array:
-        """Layer `layer`'s index within its pool (its own index with one pool)."""
-        if not self.swa_pool:
-            return layer
-        return jnp.asarray(self._slot_table)[layer]
 
-
-def attend_layer(layer, x, kind: AttentionKind, steps: StepLayers, flats: tuple, index, valid,
-                 moe_runner, lora: LoraLayer):
+def attend_layer(layer, x, kind: AttentionKind, steps: StepLayers, flat: jax.Array, index,
+                 valid, moe_runner, lora: LoraLayer):
     """Decoder layer `layer` (merged; global index `index`) of kind `kind` over `x` ->
-    (x, the pools with its KV written, its routed counts or None)."""
+    (x, the cache with its KV written, its routed counts or None)."""
     inputs = steps.inputs(kind)
-    x, pool_cache, counts = layer(x, inputs.cos, inputs.sin, flats[inputs.pool],
-                                  steps.slot(index), inputs.fb, inputs.backend, inputs.meta,
-                                  valid, moe_runner, lora)
-    flats = flats[:inputs.pool] + (pool_cache,) + flats[inputs.pool + 1:]
-    return x, flats, counts
+    return layer(x, inputs.cos, inputs.sin, flat, index, steps.fb, inputs.backend, steps.meta,
+                 valid, moe_runner, lora)
 
 
 def scan_run(run: LayerRun, fn: Callable, carry, xs):
@@ -167,7 +129,7 @@ def run_decoder_layers(cfg: ModelConfig, stacks, fb: ForwardBatch, kv_cache,
     `cfg.layer_runs`."""
     steps = StepLayers(cfg, fb, kv_cache, backend)
     valid = jnp.arange(fb.num_tokens) < jnp.sum(fb.extend_seq_lens)  # padding routes nowhere
-    flats = steps.flat(kv_cache)
+    cache = steps.flat(kv_cache)
     wanted = jnp.asarray(aux_layers, jnp.int32)
     aux = jnp.zeros((len(aux_layers),) + x.shape, x.dtype) if aux_layers else None
     counts = []
@@ -182,7 +144,7 @@ def run_decoder_layers(cfg: ModelConfig, stacks, fb: ForwardBatch, kv_cache,
         run_lora = fb.lora.layers(run.start, run.num_layers) if fb.lora is not None else {}
 
         def body(kind, carry, layer_inputs, graphdef=graphdef, packed=packed, start=run.start):
-            x, flats, aux = carry
+            x, cache, aux = carry
             state, index, lora_weights = layer_inputs
             state = filled(state, packed, index - start)
             if aux_layers:
@@ -191,17 +153,17 @@ def run_decoder_layers(cfg: ModelConfig, stacks, fb: ForwardBatch, kv_cache,
                 aux = jax.lax.cond(jnp.any(hit),
                                    lambda a: jnp.where(hit[:, None, None], x[None], a),
                                    lambda a: a, aux)
-            x, flats, layer_counts = attend_layer(
-                nnx.merge(graphdef, state), x, kind, steps, flats, index, valid, moe_runner,
+            x, cache, layer_counts = attend_layer(
+                nnx.merge(graphdef, state), x, kind, steps, cache, index, valid, moe_runner,
                 LoraLayer(lora_weights, onehot, active))
-            return (x, flats, aux), layer_counts
+            return (x, cache, aux), layer_counts
 
         index = run.start + jnp.arange(run.num_layers, dtype=jnp.int32)
-        (x, flats, aux), run_counts = scan_run(run, body, (x, flats, aux),
+        (x, cache, aux), run_counts = scan_run(run, body, (x, cache, aux),
                                                (layers_state, index, run_lora))
         if run.moe:
             counts.append(run_counts)
-    return x, steps.unflat(flats), aux, _expert_counts(cfg, counts)
+    return x, steps.unflat(cache), aux, _expert_counts(cfg, counts)
 
 
 def run_layer_range(cfg: ModelConfig, stacks, fb: ForwardBatch, kv_cache,
@@ -212,7 +174,7 @@ def run_layer_range(cfg: ModelConfig, stacks, fb: ForwardBatch, kv_cache,
     KV cache, i32[MoE layers, P] routed counts, zeros for the MoE layers outside the range)."""
     steps = StepLayers(cfg, fb, kv_cache, backend)
     valid = jnp.arange(fb.num_tokens) < jnp.sum(fb.extend_seq_lens)  # padding routes nowhere
-    flats = steps.flat(kv_cache)
+    cache = steps.flat(kv_cache)
     counts = []
     for run, layers in zip(cfg.layer_runs, stacks):
         graphdef, layers_state = nnx.split(layers)
@@ -222,21 +184,21 @@ def run_layer_range(cfg: ModelConfig, stacks, fb: ForwardBatch, kv_cache,
 
         def body(kind, index, carry, graphdef=graphdef, layers_state=layers_state,
                  packed=packed, run=run):
-            x, flats, run_counts = carry
+            x, cache, run_counts = carry
             i = index - run.start
             state = filled(jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(
                 p, i, keepdims=False), layers_state), packed, i)
-            x, flats, layer_counts = attend_layer(nnx.merge(graphdef, state), x, kind, steps,
-                                                  flats, index, valid, moe_runner,
+            x, cache, layer_counts = attend_layer(nnx.merge(graphdef, state), x, kind, steps,
+                                                  cache, index, valid, moe_runner,
                                                   LoraLayer({}))
             if layer_counts is not None:
                 run_counts = jax.lax.dynamic_update_index_in_dim(run_counts, layer_counts, i, 0)
-            return x, flats, run_counts
+            return x, cache, run_counts
 
-        x, flats, run_counts = loop_run(run, body, (x, flats, run_counts), begin, end)
+        x, cache, run_counts = loop_run(run, body, (x, cache, run_counts), begin, end)
         if run.moe:
             counts.append(run_counts)
-    return x, steps.unflat(flats), _expert_counts(cfg, counts)
+    return x, steps.unflat(cache), _expert_counts(cfg, counts)
 
 
 def _expert_counts(cfg: ModelConfig, counts: list) -> jax.Array:
