@@ -59,6 +59,15 @@ def test_qwen_bias_and_tied_embeddings_under_tp(checkpoint, parallel_spec):
         assert run["kv_cache_shape"][2] == 2 * tp, preset
 
 
+def test_gemma_windows_under_tp(checkpoint, parallel_spec):
+    """tiny-gemma3 (sliding and full layers, two ropes, head_dim 256; a 40-token prompt past
+    its 32-token window) at TP 4, its 2 KV heads repeated: one device's tokens."""
+    spec = parallel_spec(checkpoint("tiny-gemma3"), [{"tp_size": 1}, {"tp_size": 4}])
+    base, run = run_driver(spec)["results"]
+    assert run["output_ids"] == base["output_ids"]
+    assert run["compiles_after_warmup"] == 0
+
+
 # ---- in-process unit tests (one device is enough) ----
 
 def test_eagle_tree_under_tp_keeps_one_devices_greedy_tokens(llama_runs, checkpoint,
