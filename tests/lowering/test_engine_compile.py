@@ -36,6 +36,12 @@ CASES = [
     (H100, 1, "tiny-llama", dict(enable_lora=True, max_lora_rank=16, lora_target_modules="all",
                                  max_loras_per_batch=4), None),
     (H100, 4, "tiny-qwen3", {}, NGRAM_TARGET),
+    # Gemma: sliding and full layers (a periodic run of two layer programs and a run of one),
+    # two ropes, windows; on H100 at its head_dim of 256 with soft caps. (On TPU at head_dim
+    # 128: at 256 each decode step of the engine asks XLA:TPU for more temporaries than v6e's
+    # HBM (51 GB), whatever the model's layer kinds: tiny-qwen3 at head_dim 256 too.)
+    (TPU_V6E, 1, "tiny-gemma3", {}, None),
+    (H100, 1, "tiny-gemma2", {}, None),
 ]
 
 
