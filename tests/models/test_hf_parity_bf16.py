@@ -40,7 +40,9 @@ BF16_ENGINE = dict(dtype="bfloat16", max_running_requests=8, max_prefill_tokens=
                    max_total_tokens=4096)
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3"])
+# Gemma: (1 + w) norms in float32 before the cast, embeddings scaled in bfloat16, soft caps.
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-gemma2",
+                                        "tiny-gemma3"])
 def models(request, checkpoint, engine_kwargs):
     path = checkpoint(request.param)
     engine = Engine(model_path=str(path), **dict(engine_kwargs, **BF16_ENGINE))
