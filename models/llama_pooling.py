@@ -25,6 +25,7 @@ class LlamaForPooling(nnx.Module):
 
     # The same decoder run: hidden states after the final norm, the KV cache, the routed counts.
     __call__ = LlamaForCausalLM.__call__
+    embed_inputs = LlamaForCausalLM.embed_inputs
 
     def head(self, pooled):
         """pooled [R, D] -> what a request gets: the pooled state (embedding) or the scores

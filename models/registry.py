@@ -20,8 +20,13 @@ def model_class(cfg: ModelConfig):
     except KeyError:
         raise ValueError(f"unknown architecture {cfg.architecture!r}; supported: "
                          f"{sorted(MODEL_CLASSES)}") from None
-    # A pooling model's head (models/llama_pooling.py) over the same decoder.
-    return cls if cfg.is_generation else LlamaForPooling
+    if cfg.is_generation:
+        return cls
+    # A pooling model's head (models/llama_pooling.py) over the Llama family's decoder.
+    if cls is not LlamaForCausalLM:
+        raise ValueError(f"{cfg.architecture} as a pooling model ({cfg.head} head) is not "
+                         f"supported: pooling serves the Llama family's decoders")
+    return LlamaForPooling
 
 
 def unused_tensor_prefixes(cfg: ModelConfig) -> tuple[str, ...]:

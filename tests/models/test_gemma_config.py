@@ -68,3 +68,9 @@ def test_gemma3_in_both_forms():
 def test_what_gemma_does_not_compute_is_refused_by_name(arch, overrides, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict(dict(_SMALL, architectures=[arch], **overrides))
+
+
+def test_gemma_as_a_pooling_model_is_refused_by_name():
+    cfg = _from_transformers(Gemma2Config, "Gemma2ForCausalLM")
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM as a pooling model"):
+        model_class(cfg.as_embedding())
