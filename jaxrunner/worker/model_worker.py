@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrunner.batch.buckets import Bucket
 from jaxrunner.batch.forward_batch import ForwardBatch
-from jaxrunner.batch.forward_mode import ForwardMode
+from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.batch.schedule_batch import ModelWorkerBatch
 from jaxrunner.config import EngineArgs
 from jaxrunner.dllm.plan import DllmPlan
@@ -167,11 +167,10 @@ class ModelWorker:
                              "DataParallelWorker.forward_batch_generation")
         prev_tokens = runner.no_prev_tokens if prev is None else prev.next_token_ids
         lora = runner.lora_pool.arrays if runner.lora_pool is not None else None
-        # The batch runs with the capture its program is compiled with (hidden states), or
-        # with more where its caller asks for more (a tool reading every position's logits;
-        # that program compiles on first use).
-        batch.capture_hidden_mode = max(batch.capture_hidden_mode,
-                                        runner.capture_mode(batch.forward_mode))
+        # A batch that asks for no capture runs with its program's (hidden states); one that
+        # asks for a capture (tools, tests) gets it, compiled on first use.
+        if batch.capture_hidden_mode == CaptureHiddenMode.NULL:
+            batch.capture_hidden_mode = runner.capture_mode(batch.forward_mode)
         forward_batch, sampling = ForwardBatch.init_new(batch, prev_tokens,
                                                         runner.input_embeds_for(batch),
                                                         lora_weights=lora)

@@ -42,6 +42,7 @@ def prefill_logits(engine, prompts, overrides=None):
             scheduler.allocator.free(scheduler.req_to_token_pool.free_slot(req.req_pool_idx))
     last = np.asarray(out.next_token_logits)
     starts = np.cumsum([0] + [len(p) for p in prompts])
+    assert logits.shape[0] >= starts[-1], f"captured {logits.shape[0]} of {starts[-1]} tokens"
     return [logits[s:s + len(p)] for s, p in zip(starts, prompts)], last
 
 
