@@ -22,10 +22,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 
 
 @pytest.mark.parametrize("target", [TPU_V6E, H200], ids=str)
-@pytest.mark.parametrize("preset, tp_size", [("tiny-llama", 1), ("tiny-qwen3", 2)])
+@pytest.mark.parametrize("preset, tp_size", [("tiny-llama", 1), ("tiny-qwen3", 2),
+                                             ("tiny-gemma2", 2)])
 def test_decode_and_extend_steps_and_sampler_lower(target, preset, tp_size):
     """tiny-qwen3 (q/k norm, 8 query heads over 2 KV heads, tied embeddings) on two devices:
-    the attention runs per tensor-parallel shard under shard_map."""
+    the attention runs per tensor-parallel shard under shard_map. tiny-gemma2: head_dim 256,
+    sliding and full layers (two kernel calls per period), soft caps."""
     args = EngineArgs(**LOWERING_ENGINE, tp_size=tp_size)
     runner = lower_only(args, lowering_model(preset), target)
     assert runner.attention_backend_name == "pallas" and runner.platform == target.platform
@@ -33,7 +35,7 @@ def test_decode_and_extend_steps_and_sampler_lower(target, preset, tp_size):
     for bucket in (DECODE, EXTEND):
         exported = runner.export_step(bucket)
         assert exported.platforms == (target.platform,)
-        check_kernels(exported, target)
+        check_kernels(exported, target, kinds=len(set(runner.model_config.attention_kinds)))
         # The KV cache, the first input after the weights, is still donated (updated in place).
         assert donated_inputs(exported) == {len(jax.tree.leaves(runner.state))}
     sampler = runner.export_sampler(max(b.num_reqs for b in runner.buckets))

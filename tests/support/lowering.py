@@ -25,16 +25,19 @@ def lowering_model(preset: str) -> ModelConfig:
     return ModelConfig.from_dict(hf_config(preset, "bfloat16"))
 
 
-def check_kernels(exported, target) -> None:
-    """One attention kernel in the step (the layers are one scanned body), and it fits: the
-    Mosaic kernel checked against the chip, the Triton kernel named."""
-    assert lowering.custom_call_targets(exported) == [KERNEL_CALL[target.platform]]
+def check_kernels(exported, target, kinds: int = 1) -> None:
+    """One attention kernel in the step per attention kind of its layers (each kind's layers
+    one scanned body), and each fits: the Mosaic kernels checked against the chip, the Triton
+    kernels named."""
+    assert lowering.custom_call_targets(exported) == [KERNEL_CALL[target.platform]] * kinds
     if target.platform == "tpu":
-        [kernel] = lowering.mosaic_kernels(exported)
-        assert lowering.mosaic_problems(kernel, target) == []
+        kernels = lowering.mosaic_kernels(exported)
+        assert len(kernels) == kinds
+        for kernel in kernels:
+            assert lowering.mosaic_problems(kernel, target) == []
     else:
-        [kernel] = lowering.triton_kernels(exported)
-        assert kernel.name == "ragged_paged_attention_gpu"
+        kernels = lowering.triton_kernels(exported)
+        assert [k.name for k in kernels] == ["ragged_paged_attention_gpu"] * kinds
 
 
 def donated_inputs(exported) -> set[int]:
