@@ -8,7 +8,10 @@ E]. Checkpoints come in two layouts:
   calls the projections w1 (gate), w3 (up), w2 (down) and its block `block_sparse_moe`;
 - fused, as transformers 5 holds them in memory (and loads them when a checkpoint has them):
   `<block>.experts.gate_up_proj` [E, 2I, D] (gate rows, then up rows) and
-  `<block>.experts.down_proj` [E, D, I]; Mixtral's block is then `mlp`.
+  `<block>.experts.down_proj` [E, D, I]; Mixtral's block is then `mlp`;
+- GPT-OSS's own: fused and stored [in, out], `gate_up_proj` [E, D, 2I] with gate and up columns
+  interleaved (gate even, up odd), `down_proj` [E, I, D], and a bias per expert for each:
+  `gate_up_proj_bias` [E, 2I] (interleaved alike), `down_proj_bias` [E, D].
 """
 
 from dataclasses import dataclass
@@ -27,7 +30,14 @@ EXPERT_TENSORS: dict[str, tuple[dict[str, str], str, int | None]] = {
                  **dict.fromkeys(_DEEPSEEK, "up_proj")}, "gate_up_proj", 1),
     "down_proj": ({"Qwen3MoeForCausalLM": "down_proj", "MixtralForCausalLM": "w2",
                    **dict.fromkeys(_DEEPSEEK, "down_proj")}, "down_proj", None),
+    # Biases per expert (GPT-OSS, whose experts are fused only).
+    "gate_proj_bias": ({}, "gate_up_proj_bias", 0),
+    "up_proj_bias": ({}, "gate_up_proj_bias", 1),
+    "down_proj_bias": ({}, "down_proj_bias", None),
 }
+BIAS_SUFFIX = "_bias"  # an expert's bias leaf: `<projection>_bias`
+# Fused experts stored [in, out] with gate and up columns interleaved (transformers' GptOssExperts).
+INTERLEAVED_ARCHITECTURES = ("GptOssForCausalLM",)
 # The MoE block's name in per-expert checkpoints, where it is not ours (`mlp`).
 PER_EXPERT_BLOCK = {"MixtralForCausalLM": "block_sparse_moe"}
 
@@ -47,6 +57,7 @@ class ExpertLayout:
     num_experts: int
     fused: bool
     block: str            # the MoE block's name in the checkpoint: "mlp" or "block_sparse_moe"
+    interleaved: bool = False  # GPT-OSS's fused layout ([in, out], gate/up interleaved)
 
     @classmethod
     def detect(cls, cfg, names) -> "ExpertLayout | None":
@@ -58,7 +69,8 @@ class ExpertLayout:
         layer = cfg.moe_layers[0]
         for block in ("mlp", PER_EXPERT_BLOCK.get(cfg.architecture, "mlp")):
             if f"model.layers.{layer}.{block}.experts.gate_up_proj" in names:
-                return cls(cfg.architecture, cfg.num_experts, True, block)
+                return cls(cfg.architecture, cfg.num_experts, True, block,
+                           cfg.architecture in INTERLEAVED_ARCHITECTURES)
         return cls(cfg.architecture, cfg.num_experts, False,
                    PER_EXPERT_BLOCK.get(cfg.architecture, "mlp"))
 
@@ -99,6 +111,8 @@ class ExpertLayout:
             return np.transpose(ckpt.get(name))
         _, _, half = EXPERT_TENSORS[leaf]
         w = ckpt.get(name, expert)                                  # [2I, D] or [D, I]
+        if self.interleaved:  # already [in, out] (a bias: [out]); gate even, up odd columns
+            return w if half is None else w[..., half::2]
         if half is not None:
             if w.shape[0] % 2:
                 raise ValueError(f"tensor {name!r} has {w.shape[0]} rows per expert; gate and "
