@@ -11,6 +11,11 @@ Mixture-of-experts models (Qwen3-MoE, Mixtral) add the expert fields: `num_exper
 of `moe_intermediate_size`, `num_experts_per_tok` chosen per token by a softmax router,
 renormalised over the chosen ones when `norm_topk_prob`. Qwen3-MoE may keep some layers dense
 (`mlp_only_layers`, `decoder_sparse_step`); `layer_runs` groups consecutive layers of one kind.
+
+Each layer's attention kind (full, or a sliding window with its own rope) is data of the config:
+`layer_types` per layer, the rules in models/layer_types.py. A family whose config.json needs
+more than the shared keys normalises it in its own module first (Gemma: models/gemma_config.py),
+registered in `FAMILY_CONFIGS`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from models import deepseek_config
+from models.layer_types import (
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    SLIDING_ATTENTION,
+    check_window,
+    layer_types_from,
+    periodic_runs,
+    segments,
+)
 from models.layers.mla_config import MlaConfig
 from models.quantization.config import QuantConfig, from_hf_config
 
@@ -36,6 +50,9 @@ SUPPORTED_ARCHITECTURES = (
     # Multi-head latent attention and DeepSeekMoE (models/deepseek.py).
     *deepseek_config.ARCHITECTURES,
 )
+# Families that normalise their config.json first: architecture -> d -> (the dict in the shared
+# keys' form, ModelConfig fields the family sets itself).
+FAMILY_CONFIGS: dict[str, Any] = {}
 # Checkpoints of pooling models (embeddings, classification / reward scores): the causal LM
 # family whose decoder they hold, and their head. A causal LM checkpoint that ships a
 # sentence-transformers pooling config (modules.json: Qwen3-Embedding, gte-Qwen2) is an
@@ -162,12 +179,36 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionKind:
+    """How a decoder layer attends: over the whole context (`sliding_window` None) or over the
+    last `sliding_window` positions, with the model's rope (`rope` None) or its own (Gemma 3's
+    local layers). Layers of one kind share one compiled layer program."""
+
+    sliding_window: int | None = None
+    rope: RopeConfig | None = None
+
+
+FULL_ATTENTION_KIND = AttentionKind()
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerRun:
-    """Layers [start, start + num_layers), all dense or all MoE."""
+    """Layers [start, start + num_layers), all dense or all MoE: `period` (their attention
+    kinds) repeated `repeats` times (models/layer_types.py)."""
 
     start: int
     num_layers: int
     moe: bool
+    period: tuple[AttentionKind, ...] = (FULL_ATTENTION_KIND,)
+
+    @property
+    def repeats(self) -> int:
+        return self.num_layers // len(self.period)
+
+    @property
+    def segments(self) -> tuple[tuple[int, int, AttentionKind], ...]:
+        """The period's (offset, count, kind) runs of consecutive layers of one kind."""
+        return segments(self.period)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +261,16 @@ class ModelConfig:
     dllm_block_size: int | None = None
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    # Each layer's attention type, transformers' names (models/layer_types.py); () means every
+    # layer slides when `sliding_window` is set, else none does.
+    layer_types: tuple[str, ...] = ()
+    # The rope of the sliding layers where it differs from `rope` (Gemma 3's local base).
+    sliding_rope: RopeConfig | None = None
+    # Attention logits' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5.
+    attention_scale: float | None = None
+    # Soft caps (Gemma 2): cap * tanh(x / cap) on the attention logits, and on the final logits.
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     # Multi-head latent attention's dimensions (models/layers/mla_config.py): the attention
     # caches one latent row per token instead of per-head K/V. None: per-head attention.
     mla: MlaConfig | None = None
@@ -239,6 +290,27 @@ class ModelConfig:
     # truncate them (`dimensions`), and to which sizes (None: any up to hidden_size).
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @property
+    def sm_scale(self) -> float:
+        """What the attention multiplies q.k by."""
+        return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
+
+    @property
+    def attention_kinds(self) -> tuple[AttentionKind, ...]:
+        """Each layer's attention kind, in order."""
+        types = self.layer_types or (
+            (SLIDING_ATTENTION if self.sliding_window else FULL_ATTENTION,)
+            * self.num_hidden_layers)
+        sliding = AttentionKind(self.sliding_window, self.sliding_rope)
+        return tuple(sliding if t == SLIDING_ATTENTION and self.sliding_window else
+                     FULL_ATTENTION_KIND for t in types)
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """The layers that attend over a window, in order."""
+        return tuple(i for i, kind in enumerate(self.attention_kinds)
+                     if kind.sliding_window is not None)
 
     @property
     def is_generation(self) -> bool:
@@ -278,16 +350,20 @@ class ModelConfig:
 
     @property
     def layer_runs(self) -> tuple[LayerRun, ...]:
-        """Maximal runs of consecutive layers of one kind (dense MLP or MoE), in order: each run
-        is one stacked module scanned on its own, so compile cost grows with the number of
-        runs, not with depth (one run for dense models and for uniform MoE models)."""
+        """Runs of consecutive layers of one MLP kind (dense or MoE), each a period of attention
+        kinds repeated (models/layer_types.py), in order: each run is one stacked module scanned
+        on its own, so compile cost grows with the runs and their periods' segments, not with
+        depth (one run of period 1 for a uniform model)."""
+        kinds = self.attention_kinds
         runs: list[LayerRun] = []
-        for i in range(self.num_hidden_layers):
-            moe = self.is_moe_layer(i)
-            if runs and runs[-1].moe == moe:
-                runs[-1] = dataclasses.replace(runs[-1], num_layers=runs[-1].num_layers + 1)
-            else:
-                runs.append(LayerRun(start=i, num_layers=1, moe=moe))
+        start = 0
+        for i in range(1, self.num_hidden_layers + 1):
+            if i < self.num_hidden_layers and self.is_moe_layer(i) == self.is_moe_layer(start):
+                continue
+            for offset, length, period in periodic_runs(kinds[start:i]):
+                runs.append(LayerRun(start + offset, length, self.is_moe_layer(start),
+                                     kinds[start + offset:start + offset + period]))
+            start = i
         return tuple(runs)
 
     @classmethod
@@ -331,6 +407,9 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(POOLING_ARCHITECTURES))}"
             )
+        family_fields = {}
+        if arch in FAMILY_CONFIGS:
+            d, family_fields = FAMILY_CONFIGS[arch](d)
         missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
         if missing:
             raise ValueError(f"config is missing required key(s): {', '.join(missing)}")
@@ -348,22 +427,13 @@ class ModelConfig:
         else:
             attention_bias = bool(d.get("attention_bias"))
 
-        if arch == "MistralForCausalLM":
-            sliding_window = d.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW)
-        elif arch == "MixtralForCausalLM":
-            sliding_window = d.get("sliding_window")  # HF Mixtral: none unless given
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM"):
-            sliding_window = _qwen_sliding_window(d)
-        elif arch == "Qwen3MoeForCausalLM" and d.get("use_sliding_window"):
-            sliding_window = d.get("sliding_window")  # HF Qwen3-MoE: every layer
-        else:
-            sliding_window = None
+        sliding_window, layer_types = _layer_windows(arch, d)
+        rope, sliding_rope = _rope_per_layer_type(d)
 
         eos = _as_id_tuple(d.get("eos_token_id"))
         eos += _as_id_tuple((generation_config or {}).get("eos_token_id"))
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
 
-        rope = RopeConfig.from_hf_config(d)
         common = dict(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -381,8 +451,10 @@ class ModelConfig:
             mlp_bias=arch == "LlamaForCausalLM" and bool(d.get("mlp_bias")),
             hidden_act=_hidden_act(arch, d),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SDARForCausalLM"),
-            sliding_window=None if sliding_window is None else int(sliding_window),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
             rope=rope,
+            sliding_rope=sliding_rope,
             eos_token_ids=tuple(dict.fromkeys(eos)),  # merge, keep order, drop duplicates
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=str(dtype).removeprefix("torch."),
@@ -393,7 +465,7 @@ class ModelConfig:
             is_matryoshka=bool(d.get("is_matryoshka")),
             matryoshka_dimensions=(None if d.get("matryoshka_dimensions") is None
                                    else tuple(int(x) for x in d["matryoshka_dimensions"])),
-        )
+        ) | family_fields
         if arch in deepseek_config.ARCHITECTURES:
             return cls(**(common | deepseek_config.model_fields(arch, d, rope)))
         return cls(**common, **_moe_fields(arch, d))
@@ -451,31 +523,46 @@ def _hidden_act(arch: str, d: dict[str, Any]) -> str:
 _QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
-def _qwen_sliding_window(d: dict[str, Any]) -> int | None:
-    """Qwen2/Qwen3's window as transformers applies it: per layer, from `layer_types` (written
-    by transformers 5) or else `use_sliding_window` and `max_window_layers`. The window is one
-    for the whole model here, so a model whose layers differ is refused by name."""
-    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+def _layer_windows(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """(the sliding layers' window or None, each layer's type or () when all are alike) as
+    transformers applies them for `arch`."""
     layers = int(d["num_hidden_layers"])
-    types = d.get("layer_types")
-    if types is None:
+    if arch == "MistralForCausalLM":
+        window, types = d.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW), None
+    elif arch == "MixtralForCausalLM":
+        window, types = d.get("sliding_window"), None  # HF Mixtral: none unless given
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM"):
+        # Per layer: `layer_types` (transformers 5) or use_sliding_window + max_window_layers.
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
         start = d.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS)
-        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
-    if len(types) != layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        types = layer_types_from(d.get("layer_types"), layers, lambda i: i >= start)
+    elif arch == "Qwen3MoeForCausalLM":
+        window, types = (d.get("sliding_window") if d.get("use_sliding_window") else None), None
+    elif arch in FAMILY_CONFIGS:  # normalised to the shared keys
+        window = d.get("sliding_window")
+        types = layer_types_from(d.get("layer_types"), layers, lambda i: True)
+    else:
+        window, types = None, None
+    if window is None or (types is not None and SLIDING_ATTENTION not in types):
+        return None, ()
+    window = check_window(window)
+    if types is None or FULL_ATTENTION not in types:
+        return window, ()  # every layer slides
+    return window, types
+
+
+def _rope_per_layer_type(d: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """(the rope of the full-attention layers, that of the sliding ones where it differs):
+    transformers 5 writes per-type parameters as `rope_parameters` keyed by layer type."""
+    params = d.get("rope_parameters")
+    if not (isinstance(params, dict) and set(params) & set(LAYER_TYPES)):
+        return RopeConfig.from_hf_config(d), None
+    unknown = sorted(set(params) - set(LAYER_TYPES))
     if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported (only full_attention and "
-                         f"sliding_attention)")
-    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    if window is None or not sliding:
-        return None
-    if len(sliding) == layers:
-        return window
-    raise ValueError(
-        f"a sliding window on some layers only (layers {sliding[0]}..{sliding[-1]} of {layers}, "
-        f"from layer_types or max_window_layers={d.get('max_window_layers')}) is not supported: "
-        f"the window is one for every layer")
+        raise ValueError(f"rope_parameters for layer types {unknown} are not supported")
+    full, sliding = (RopeConfig.from_hf_config(dict(d, rope_parameters=params.get(t) or {}))
+                     for t in (FULL_ATTENTION, SLIDING_ATTENTION))
+    return full, (None if sliding == full else sliding)
 
 
 def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,9 @@ The decoder layers are stacked modules whose parameters carry a leading [L] axis
 32-layer model costs what an 8-layer one does. A model whose layers are not all of one kind
 (Qwen3-MoE's `mlp_only_layers`) has one stacked module per run of consecutive layers of a kind
 (`ModelConfig.layer_runs`), each scanned in turn: compile cost grows with the runs, not the
-depth. The KV cache of every layer is one array that the scans carry as loop state
-(`LlamaForCausalLM.__call__`).
+depth; layers of different attention kinds (Qwen2's windows on some layers) are periods of a run
+(models/layer_types.py). The KV cache of every layer is one array that the scans carry as loop
+state (models/layers/decoder_stack.py).
 """
 
 import functools
@@ -27,10 +28,11 @@ from jaxrunner.attention import AttentionBackend
 from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.lora.layers import NO_LORA, LoraLayer
 from models.config import LayerRun, ModelConfig
+from models.layers.decoder_stack import run_decoder_layers
 from models.layers.moe import SparseMoeBlock
 from models.layers.moe_parallel import MoeRunner
-from models.layers.packed import PackedWeight, filled, hollow
-from models.layers.rope import apply_rope_cos_sin, step_cos_sin
+from models.layers.packed import PackedWeight
+from models.layers.rope import apply_rope_cos_sin
 from models.quantization.linear import QuantConfig, quantized_matmul
 
 
@@ -227,62 +229,28 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, fb: ForwardBatch, kv_cache: jax.Array, backend: AttentionBackend,
                  moe_runner: MoeRunner = MoeRunner(), aux_layers: tuple[int, ...] = ()):
-        """kv_cache [L, pages, page_size, 2K, Dh] -> (hidden states [T, D] after the final norm,
-        the updated KV cache, the residual stream entering each of `aux_layers` [A, T, D] or
+        """kv_cache [L, pages, page_size, 2K, Dh] (or the pools of models/layers/decoder_stack.py)
+        -> (hidden states [T, D] after the final norm, the updated KV cache, the residual stream entering each of `aux_layers` [A, T, D] or
         None without them (EAGLE-3's draft reads three of them), i32[number of MoE layers, P]:
         the (token, choice) pairs each MoE layer routed to each expert slot, padding excluded;
         [0, P] for a dense model).
 
         Each scan's loop state is (activations, the cache viewed as [L * pages, ...]: a free
-        reshape); its loop data are each layer's parameters and index. Layer l writes its new
-        K/V into, and attends over, the rows of its own pages (`AttentionBackend.page_offset`),
-        so the cache is updated in place through every loop and never copied (the caller
-        donates it; `tests/engine/test_engine.py` checks the compiled HLO). `moe_runner` says how
-        the experts run (grouped matmul, expert parallelism).
+        reshape); its loop data are each layer's parameters and index
+        (models/layers/decoder_stack.py). Layer l writes its new K/V into, and attends over, the
+        rows of its own pages (`AttentionBackend.page_offset`), so the cache is updated in place
+        through every loop and never copied (the caller donates it;
+        `tests/engine/test_engine.py` checks the compiled HLO). `moe_runner` says how the
+        experts run (grouped matmul, expert parallelism).
         """
-        meta = backend.init_forward_metadata(fb)
-        cos, sin = step_cos_sin(self.config.rope, self.config.head_dim, fb.positions)
-        x = fb.embed_inputs(self.model.embed_tokens)
-        valid = jnp.arange(fb.num_tokens) < jnp.sum(fb.extend_seq_lens)  # padding routes nowhere
-        flat = kv_cache.reshape(-1, *kv_cache.shape[2:])
-        wanted = jnp.asarray(aux_layers, jnp.int32)
-        aux = jnp.zeros((len(aux_layers),) + x.shape, x.dtype) if aux_layers else None
-        counts = []
-        # LoRA (jaxrunner/lora/layers.py): the pool's [L, S, ...] rows ride the scan with the
-        # weights; without it the loop data hold nothing more and the program is unchanged.
-        onehot = fb.lora.onehot(x.dtype) if fb.lora is not None else None
-        active = fb.lora.any_adapter if fb.lora is not None else None
-        for run, layers in zip(self.config.layer_runs, self.model.layers):
-            graphdef, layers_state = nnx.split(layers)
-            # Packed weights stay whole: the body multiplies by its layer of each stack.
-            layers_state, stacks = hollow(layers_state)
-            run_lora = fb.lora.layers(run.start, run.num_layers) if fb.lora is not None else {}
+        x, kv_cache, aux, expert_counts = run_decoder_layers(
+            self.config, self.model.layers, fb, kv_cache, backend, moe_runner,
+            self.embed_inputs(fb), aux_layers)
+        return self.model.norm(x), kv_cache, aux, expert_counts
 
-            def body(carry, layer_inputs, graphdef=graphdef, stacks=stacks, start=run.start):
-                x, flat_cache, aux = carry
-                state, index, lora_weights = layer_inputs
-                state = filled(state, stacks, index - start)
-                if aux_layers:
-                    # Written only at the layers asked for (the rows naming this layer).
-                    hit = wanted == index
-                    aux = jax.lax.cond(jnp.any(hit),
-                                       lambda a: jnp.where(hit[:, None, None], x[None], a),
-                                       lambda a: a, aux)
-                layer = nnx.merge(graphdef, state)
-                x, flat_cache, layer_counts = layer(x, cos, sin, flat_cache, index, fb, backend,
-                                                    meta, valid, moe_runner,
-                                                    LoraLayer(lora_weights, onehot, active))
-                return (x, flat_cache, aux), layer_counts
-
-            index = run.start + jnp.arange(run.num_layers, dtype=jnp.int32)
-            (x, flat, aux), run_counts = jax.lax.scan(body, (x, flat, aux),
-                                                      (layers_state, index, run_lora))
-            if run.moe:
-                counts.append(run_counts)
-        num_slots = self.config.num_physical_experts
-        expert_counts = (jnp.concatenate(counts) if counts
-                         else jnp.zeros((0, num_slots), jnp.int32))
-        return self.model.norm(x), flat.reshape(kv_cache.shape), aux, expert_counts
+    def embed_inputs(self, fb: ForwardBatch):
+        """[T, D]: the residual stream entering the first layer."""
+        return fb.embed_inputs(self.model.embed_tokens)
 
     def compute_logits(self, hidden):
         """hidden [N, D] -> float32 logits [N, V]."""

@@ -14,6 +14,8 @@ slice of the cache is ever materialised).
 """
 
 import abc
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -63,9 +65,12 @@ class AttentionConfig:
                        head_dim=cfg.mla.latent_dim, page_size=page_size,
                        sm_scale=cfg.mla.softmax_scale, num_layers=num_layers,
                        kv_dtype=kv_dtype, value_dim=cfg.mla.kv_lora_rank)
+        # A model with windows on some layers only: each layer's window comes with its
+        # attention kind (`for_layers`, models/layers/decoder_stack.py).
         return cls(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                   head_dim=cfg.head_dim, page_size=page_size, sm_scale=cfg.head_dim ** -0.5,
-                   num_layers=num_layers, sliding_window=cfg.sliding_window, kv_dtype=kv_dtype)
+                   head_dim=cfg.head_dim, page_size=page_size, sm_scale=cfg.sm_scale,
+                   num_layers=num_layers, sliding_window=cfg.sliding_window,
+                   soft_cap=cfg.attn_logit_softcap, kv_dtype=kv_dtype)
 
     @property
     def latent(self) -> bool:
@@ -109,6 +114,15 @@ class AttentionBackend(abc.ABC):
                                      v.astype(f32) / v_scale, kv_cache, layer, forward_batch,
                                      metadata, sinks)
         return (out.astype(f32) * v_scale).astype(q.dtype), kv_cache
+
+    def for_layers(self, *, sliding_window: int | None, num_layers: int) -> "AttentionBackend":
+        """This backend for the layers of one attention kind (models/layer_types.py): their
+        window, and the number of layers in the cache they attend over (their KV pool's). A
+        copy: backends hold configuration only, no arrays."""
+        clone = copy.copy(self)
+        clone.config = dataclasses.replace(self.config, sliding_window=sliding_window,
+                                           num_layers=num_layers)
+        return clone
 
     def page_offset(self, kv_cache: jax.Array, layer: jax.Array) -> jax.Array:
         """The row of `layer`'s page 0 in the flat cache."""

@@ -152,6 +152,10 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
         kv = kv.reshape(num_blocks, chunk, cfg.kv_rows, head_dim).astype(jnp.float32)
         kv_pos = c * chunk + jnp.arange(chunk)                            # [C]
         in_request = kv_pos[None, :] < meta.block_kv_len[:, None]         # [NB, C]
+        if cfg.sliding_window is not None:
+            # Keys before the block's first row's window: in an SWA pool their pages may be
+            # freed (the dummy page), so their V is kept out like a slot past the request's end.
+            in_request &= kv_pos[None, :] > meta.block_pos[:, :1] - cfg.sliding_window
         # Slots past a request's length may hold anything, NaN included: keep them out of p @ v.
         k, v = _keys_and_values(kv, cfg)
         v = jnp.where(in_request[..., None, None], v, 0.0)                # [NB, C, Hkv, Dv]

@@ -45,6 +45,11 @@ class ShardedAttentionBackend(AttentionBackend):
         self.inner = inner
         self.mesh = mesh
 
+    def for_layers(self, *, sliding_window: int | None, num_layers: int) -> AttentionBackend:
+        clone = super().for_layers(sliding_window=sliding_window, num_layers=num_layers)
+        clone.inner = self.inner.for_layers(sliding_window=sliding_window, num_layers=num_layers)
+        return clone
+
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         return self.inner.init_forward_metadata(forward_batch)
 

@@ -167,8 +167,11 @@ class ModelWorker:
                              "DataParallelWorker.forward_batch_generation")
         prev_tokens = runner.no_prev_tokens if prev is None else prev.next_token_ids
         lora = runner.lora_pool.arrays if runner.lora_pool is not None else None
-        # The batch runs with the capture its program is compiled with (hidden states).
-        batch.capture_hidden_mode = runner.capture_mode(batch.forward_mode)
+        # The batch runs with the capture its program is compiled with (hidden states), or
+        # with more where its caller asks for more (a tool reading every position's logits;
+        # that program compiles on first use).
+        batch.capture_hidden_mode = max(batch.capture_hidden_mode,
+                                        runner.capture_mode(batch.forward_mode))
         forward_batch, sampling = ForwardBatch.init_new(batch, prev_tokens,
                                                         runner.input_embeds_for(batch),
                                                         lora_weights=lora)

@@ -160,8 +160,12 @@ def test_qwen_sliding_window_per_layer_as_transformers_applies_it():
     assert _cfg(**qwen2, layer_types=["sliding_attention"] * 4).sliding_window == 64
     assert _cfg(**qwen2, layer_types=["full_attention"] * 4,
                 max_window_layers=0).sliding_window is None
-    with pytest.raises(ValueError, match="some layers only .*layers 2..3 of 4"):
-        _cfg(**qwen2, max_window_layers=2)
+    # A window on some layers only: each layer's kind is data of the config.
+    mixed = _cfg(**qwen2, max_window_layers=2)
+    assert mixed.sliding_window == 64 and mixed.sliding_layers == (2, 3)
+    assert [k.sliding_window for k in mixed.attention_kinds] == [None, None, 64, 64]
+    assert [(r.start, r.num_layers, len(r.period)) for r in mixed.layer_runs] == [(0, 2, 1),
+                                                                                  (2, 2, 1)]
     with pytest.raises(ValueError, match="chunked_attention"):
         _cfg(**qwen2, layer_types=["chunked_attention"] * 4)
     with pytest.raises(ValueError, match="layer_types has 3 entries for 4 layers"):
