@@ -1,6 +1,6 @@
 """Which model class serves which config.json `architectures`."""
 
-from models import deepseek
+from models import deepseek, gpt_oss
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM
 from models.llama_pooling import LlamaForPooling
@@ -8,7 +8,8 @@ from models.llama_pooling import LlamaForPooling
 # Llama, Mistral, Qwen2 and Qwen3 share one implementation; the config switches the differences.
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 MODEL_CLASSES.update(DeepseekV2ForCausalLM=deepseek.DeepseekV2ForCausalLM,
-                     DeepseekV3ForCausalLM=deepseek.DeepseekV3ForCausalLM)
+                     DeepseekV3ForCausalLM=deepseek.DeepseekV3ForCausalLM,
+                     GptOssForCausalLM=gpt_oss.GptOssForCausalLM)
 
 
 def model_class(cfg: ModelConfig):

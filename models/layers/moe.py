@@ -33,6 +33,7 @@ import numpy as np
 
 from models.loading.moe_checkpoint import BIAS_SUFFIX
 from models.quantization.config import QuantConfig
+from models.quantization import mxfp4
 from models.quantization.moe import SCALE_SUFFIX, QuantizedExperts, expert_matmul, ragged_matmul
 
 GROUPED_MATMULS = ("blocked", "ragged_dot")
@@ -143,7 +144,9 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """The expert MLPs' weights, one row per physical slot: gate/up [P, D, I], down [P, I, D];
     with `quant`, in its weight dtype with per-output-channel scales `<name>_scale` [P, 1, out]
-    (models/quantization/moe.py); with `bias`, a bias per slot `<name>_bias` [P, out]."""
+    (models/quantization/moe.py), or MXFP4's blocks [P, in / 2, out] and scales `<name>_scale`
+    [P, in / 32, out] (models/quantization/mxfp4.py); with `bias`, a bias per slot
+    `<name>_bias` [P, out]."""
 
     LEAVES = ("gate_proj", "up_proj", "down_proj")
 
@@ -152,10 +155,17 @@ class Experts(nnx.Module):
         shapes = {"gate_proj": (num_slots, d_model, d_ff), "up_proj": (num_slots, d_model, d_ff),
                   "down_proj": (num_slots, d_ff, d_model)}
         self.quantized = quant is not None
+        self.mxfp4 = quant is not None and quant.method == "mxfp4"
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)
         for name, shape in shapes.items():
             if quant is None:
                 setattr(self, name, nnx.Param(init(rngs.params(), shape, dtype)))
+            elif quant.method == "mxfp4":  # loaded from the checkpoint, never initialised
+                slots, d_in, d_out = shape
+                mxfp4.check_shape(d_in)
+                setattr(self, name, nnx.Param(jnp.zeros((slots, d_in // 2, d_out), jnp.uint8)))
+                setattr(self, name + SCALE_SUFFIX, nnx.Param(
+                    jnp.zeros((slots, d_in // mxfp4.BLOCK, d_out), jnp.uint8)))
             else:  # loaded from the checkpoint, never initialised
                 setattr(self, name, nnx.Param(jnp.zeros(shape, quant.weight_dtype)))
                 setattr(self, name + SCALE_SUFFIX,
@@ -170,6 +180,10 @@ class Experts(nnx.Module):
         `BiasedExperts` with its bias when the experts have biases."""
         if not self.quantized:
             weights = tuple(getattr(self, n)[...] for n in self.LEAVES)
+        elif self.mxfp4:
+            weights = tuple(mxfp4.Mxfp4Experts(getattr(self, n)[...],
+                                               getattr(self, n + SCALE_SUFFIX)[...])
+                            for n in self.LEAVES)
         else:
             weights = tuple(QuantizedExperts(getattr(self, n)[...],
                                              getattr(self, n + SCALE_SUFFIX)[...])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from models.quantization import mxfp4
 from models.quantization.linear import dequantize
 
 # our expert leaf -> (per-expert name by architecture, fused tensor, which half of it: 0 gate,
@@ -68,7 +69,8 @@ class ExpertLayout:
         names = set(names)
         layer = cfg.moe_layers[0]
         for block in ("mlp", PER_EXPERT_BLOCK.get(cfg.architecture, "mlp")):
-            if f"model.layers.{layer}.{block}.experts.gate_up_proj" in names:
+            fused = f"model.layers.{layer}.{block}.experts.gate_up_proj"
+            if fused in names or fused + "_blocks" in names:  # float, or MXFP4 as published
                 return cls(cfg.architecture, cfg.num_experts, True, block,
                            cfg.architecture in INTERLEAVED_ARCHITECTURES)
         return cls(cfg.architecture, cfg.num_experts, False,
@@ -103,6 +105,24 @@ class ExpertLayout:
         weight = self.read(ckpt, leaf, layer, expert)
         scale = np.transpose(ckpt.get(self.scale_tensor(leaf, layer, expert)))
         return dequantize(weight, scale, quant)
+
+    def mxfp4_tensors(self, leaf: str, layer: int) -> list[str]:
+        """The published MXFP4 tensors (`<fused>_blocks`, `<fused>_scales`) of `leaf`."""
+        name = self.tensor(leaf, layer, 0)
+        return [name + "_blocks", name + "_scales"]
+
+    def read_mxfp4(self, ckpt, leaf: str, layer: int, expert: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Expert `expert`'s published MXFP4 `leaf` in `layer` as the model holds it (blocks
+        [in / 2, out], scales [in / 32, out]; models/quantization/mxfp4.py)."""
+        if not self.interleaved:
+            raise ValueError("MXFP4 experts are read in GPT-OSS's layout only")
+        _, _, half = EXPERT_TENSORS[leaf]
+        blocks_name, scales_name = self.mxfp4_tensors(leaf, layer)
+        blocks, scales = ckpt.get(blocks_name, expert), ckpt.get(scales_name, expert)
+        if half is not None:  # gate and up rows interleaved
+            blocks, scales = blocks[half::2], scales[half::2]
+        return mxfp4.from_published(blocks, scales)
 
     def read(self, ckpt, leaf: str, layer: int, expert: int) -> np.ndarray:
         """Expert `expert`'s `leaf` in `layer`, in our [in, out] layout."""
