@@ -100,3 +100,9 @@ def test_mxfp4_is_refused_for_a_model_without_experts(checkpoint, engine_kwargs)
     with pytest.raises(ValueError, match="quantization 'mxfp4' is a format of MoE expert "
                                          "weights; this model has no experts"):
         Engine(model_path=str(checkpoint("tiny-llama")), **engine_kwargs, quantization="mxfp4")
+
+
+def test_ragged_dot_is_refused_for_mxfp4_experts(checkpoint, engine_kwargs):
+    with pytest.raises(ValueError, match="moe_runner_backend 'ragged_dot' cannot run MXFP4"):
+        Engine(model_path=str(checkpoint("tiny-gpt-oss-mxfp4")), **engine_kwargs,
+               moe_runner_backend="ragged_dot")
