@@ -31,6 +31,7 @@ _HEADER = Path(__file__).with_name("simd.h")
 _TARGET = "jaxrunner_ragged_paged_attention"
 _TARGET_BOUNDED = "jaxrunner_ragged_paged_attention_bounded"
 _TARGET_TREE = "jaxrunner_ragged_paged_attention_tree"
+_TARGET_SINKS = "jaxrunner_ragged_paged_attention_sinks"
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast"]
 
 
@@ -119,10 +120,11 @@ def runnable_levels() -> list[str]:
     return [level for level, need in X86_LEVELS.items() if flags.issuperset(need)]
 
 
-def _targets(march: str | None) -> tuple[str, str, str]:
-    """The causal, bounded and tree-masked targets of a build."""
+def _targets(march: str | None) -> tuple[str, str, str, str]:
+    """The causal, bounded, tree-masked and sink targets of a build."""
     suffix = "" if march is None else "_" + march.replace("-", "_")
-    return _TARGET + suffix, _TARGET_BOUNDED + suffix, _TARGET_TREE + suffix
+    return (_TARGET + suffix, _TARGET_BOUNDED + suffix, _TARGET_TREE + suffix,
+            _TARGET_SINKS + suffix)
 
 
 @functools.cache
@@ -139,7 +141,7 @@ def load(march: str | None = None) -> None:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:
         raise KernelBuildError(f"loading {path} failed: {e}") from e
-    causal, bounded, tree = _targets(march)
+    causal, bounded, tree, sinks = _targets(march)
     jax.ffi.register_ffi_target(causal, jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttention),
                                 platform="cpu")
     jax.ffi.register_ffi_target(bounded,
@@ -147,6 +149,9 @@ def load(march: str | None = None) -> None:
                                 platform="cpu")
     jax.ffi.register_ffi_target(tree,
                                 jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttentionTree),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(sinks,
+                                jax.ffi.pycapsule(lib.JaxrunnerRaggedPagedAttentionSinks),
                                 platform="cpu")
 
 
@@ -169,7 +174,7 @@ def causal_bound(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
 def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None,
                                soft_cap: float | None = None, kv_bound=None, kv_tree_mask=None,
-                               march: str | None = None):
+                               sinks=None, march: str | None = None):
     """Ragged paged attention on the CPU; see `kernels_pallas.ragged_paged_attention`.
 
     float32 or bfloat16 (q and kv_cache alike), or a float8 e4m3fn / e5m2 cache (scale 1) with
@@ -177,7 +182,7 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     of X86_LEVELS (see `load`) instead of the native one.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap, kv_bound, kv_tree_mask)
+                      sliding_window, soft_cap, kv_bound, kv_tree_mask, sinks)
     if kv_cache.dtype in FP8_DTYPES:
         if q.dtype != np.float32:
             raise ValueError(f"ragged_paged_attention_cpu with a {kv_cache.dtype} cache takes "
@@ -185,13 +190,18 @@ def ragged_paged_attention_cpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     elif q.dtype not in (np.dtype(np.float32), jax.numpy.bfloat16):
         raise ValueError(f"ragged_paged_attention_cpu takes f32 or bf16, got {q.dtype}")
     load(march)
-    causal, bounded, tree = _targets(march)
+    causal, bounded, tree, with_sinks = _targets(march)
     # A causal call keeps the original target, so its executables do not change.
     target, bound = (causal, ()) if kv_bound is None else (bounded, (kv_bound,))
-    if kv_tree_mask is not None:  # the tree's binding takes a bound: the causal one if none
-        if kv_bound is None:
-            kv_bound = causal_bound(kv_lens, cu_q_lens, num_seqs, q.shape[0])
+    if (kv_tree_mask is not None or sinks is not None) and kv_bound is None:
+        # The tree's and the sinks' bindings take a bound: the causal one if none.
+        kv_bound = causal_bound(kv_lens, cu_q_lens, num_seqs, q.shape[0])
+    if kv_tree_mask is not None:
         target, bound = tree, (kv_bound, kv_tree_mask)
+    if sinks is not None:  # a tree of zero words is none
+        words = (jax.numpy.zeros((q.shape[0], 0), np.int32) if kv_tree_mask is None
+                 else kv_tree_mask)
+        target, bound = with_sinks, (kv_bound, words, sinks.astype(np.float32))
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *bound,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),

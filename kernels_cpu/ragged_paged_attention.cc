@@ -216,6 +216,9 @@ struct Problem {
   // tree_mask.py): bit j says whether token t sees its sequence's j-th new token; null: none.
   const int32_t* tree;
   int64_t tree_words;
+  // [num_q_heads]: a logit per query head that joins its softmax's denominator and takes no
+  // value (attention sinks); null: none.
+  const float* sinks;
 };
 
 // The tree mask of token t for the kLanes keys from `rel` (key - its sequence's first new
@@ -379,8 +382,9 @@ void attend(const Problem<T>& P, const Item& it, Scratch& sc, int64_t prefetch_b
     const int64_t t = it.token_begin + r / G, h = it.kv_head * G + r % G;
     const auto* src = P.q + (t * P.num_q_heads + h) * D;
     for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_f32(src[d]) * P.sm_scale;
-    m[r] = kNegInf;
-    l[r] = 0.f;
+    // A sink is the softmax's state before any key: max = the sink, sum = exp(0) (-inf: none).
+    m[r] = P.sinks ? P.sinks[h] : kNegInf;
+    l[r] = m[r] == kNegInf ? 0.f : 1.f;
   }
   std::fill(o, o + rows * Dp, 0.f);
 
@@ -583,8 +587,8 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                const int32_t* bound, const int32_t* tree, int64_t tree_words,
-               ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
-               int64_t sliding_window) {
+               const float* sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+               float soft_cap, int64_t sliding_window) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = kv.dimensions();
   if (q_dims.size() != 3 || kv_dims.size() != 4 || page_indices.dimensions().size() != 2)
@@ -611,6 +615,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   P->bound = bound;
   P->tree = tree;
   P->tree_words = tree_words;
+  P->sinks = sinks;
 
   const int64_t max_num_seqs = kv_lens.element_count();
   const int32_t seqs = std::clamp<int32_t>(num_seqs.typed_data()[0], 0, int32_t(max_num_seqs));
@@ -638,8 +643,8 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                     const int32_t* bound, const int32_t* tree, int64_t tree_words,
-                    ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
-                    int64_t sliding_window) {
+                    const float* sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                    float soft_cap, int64_t sliding_window) {
   if (out->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("ragged_paged_attention: q and out dtypes differ");
   const bool fp8 = kv.element_type() == ffi::F8E4M3FN || kv.element_type() == ffi::F8E5M2;
@@ -650,7 +655,8 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   // The kernel for the cache's element type (a value of it names the type).
   auto with = [&](auto element) {
     return run<decltype(element)>(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, bound,
-                                  tree, tree_words, out, sm_scale, soft_cap, sliding_window);
+                                  tree, tree_words, sinks, out, sm_scale, soft_cap,
+                                  sliding_window);
   };
   switch (kv.element_type()) {
     case ffi::F8E4M3FN: return with(F8E4M3{});
@@ -670,7 +676,7 @@ ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
                                   ffi::Result<ffi::AnyBuffer> out, float sm_scale,
                                   float soft_cap, int64_t sliding_window) {
   return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, nullptr, nullptr, 0,
-                  out, sm_scale, soft_cap, sliding_window);
+                  nullptr, out, sm_scale, soft_cap, sliding_window);
 }
 
 // The same with a per-token KV bound (block-diffusion and other non-causal extends).
@@ -682,7 +688,8 @@ ffi::Error ragged_paged_attention_bounded(
   if (kv_bound.element_count() != q.dimensions()[0])
     return ffi::Error::InvalidArgument("ragged_paged_attention: kv_bound must be [num_tokens]");
   return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  kv_bound.typed_data(), nullptr, 0, out, sm_scale, soft_cap, sliding_window);
+                  kv_bound.typed_data(), nullptr, 0, nullptr, out, sm_scale, soft_cap,
+                  sliding_window);
 }
 
 // The same with a bound and a draft tree's mask (speculative verify steps).
@@ -700,13 +707,36 @@ ffi::Error ragged_paged_attention_tree(
     return ffi::Error::InvalidArgument(
         "ragged_paged_attention: kv_tree_mask must be [num_tokens, words]");
   return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  kv_bound.typed_data(), tree_mask.typed_data(), dims[1], out, sm_scale,
+                  kv_bound.typed_data(), tree_mask.typed_data(), dims[1], nullptr, out,
+                  sm_scale, soft_cap, sliding_window);
+}
+
+// The same with a bound, a tree mask of zero or more words (zero: no tree) and a sink logit per
+// query head (GPT-OSS). Its own binding, so calls without sinks keep their executables.
+ffi::Error ragged_paged_attention_sinks(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
+    ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+    ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> kv_bound,
+    ffi::Buffer<ffi::S32> tree_mask, ffi::Buffer<ffi::F32> sinks,
+    ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap, int64_t sliding_window) {
+  const int64_t num_tokens = q.dimensions()[0];
+  if (kv_bound.element_count() != num_tokens)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: kv_bound must be [num_tokens]");
+  const auto dims = tree_mask.dimensions();
+  if (dims.size() != 2 || dims[0] != num_tokens)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: kv_tree_mask must be [num_tokens, words]");
+  if (sinks.element_count() != q.dimensions()[1])
+    return ffi::Error::InvalidArgument("ragged_paged_attention: sinks must be [num_q_heads]");
+  const int32_t* tree = dims[1] > 0 ? tree_mask.typed_data() : nullptr;
+  return dispatch(pool, q, kv, kv_lens, page_indices, cu_q_lens, num_seqs,
+                  kv_bound.typed_data(), tree, dims[1], sinks.typed_data(), out, sm_scale,
                   soft_cap, sliding_window);
 }
 
 }  // namespace
 
-// The three bindings differ in kv_bound and kv_tree_mask only (XLA_FFI_DEFINE_HANDLER_SYMBOL
+// The four bindings differ in kv_bound, kv_tree_mask and sinks only (XLA_FFI_DEFINE_HANDLER_SYMBOL
 // wants the binding spelled out).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttention, ragged_paged_attention,
                               ffi::Ffi::Bind()
@@ -749,6 +779,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttentionTree, ragged_paged_at
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_bound
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_tree_mask
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerRaggedPagedAttentionSinks, ragged_paged_attention_sinks,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_bound
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_tree_mask (0 words: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models import deepseek_config, gemma_config
+from models import deepseek_config, gemma_config, gpt_oss_config
 from models.layer_types import (
     FULL_ATTENTION,
     LAYER_TYPES,
@@ -50,11 +50,15 @@ SUPPORTED_ARCHITECTURES = (
     *deepseek_config.ARCHITECTURES,
     # Gemma 2 and 3 (models/gemma.py).
     *gemma_config.ARCHITECTURES,
+    # Attention sinks, alternating windows, biased experts (models/gpt_oss.py).
+    *gpt_oss_config.ARCHITECTURES,
 )
 # Families that normalise their config.json first: architecture -> d -> (the dict in the shared
 # keys' form, ModelConfig fields the family sets itself).
-FAMILY_CONFIGS: dict[str, Any] = {arch: gemma_config.normalize
-                                  for arch in gemma_config.ARCHITECTURES}
+FAMILY_CONFIGS: dict[str, Any] = {
+    **dict.fromkeys(gemma_config.ARCHITECTURES, gemma_config.normalize),
+    **dict.fromkeys(gpt_oss_config.ARCHITECTURES, gpt_oss_config.normalised),
+}
 # Checkpoints of pooling models (embeddings, classification / reward scores): the causal LM
 # family whose decoder they hold, and their head. A causal LM checkpoint that ships a
 # sentence-transformers pooling config (modules.json: Qwen3-Embedding, gte-Qwen2) is an

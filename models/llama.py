@@ -106,7 +106,7 @@ class Attention(nnx.Module):
         """`d_in`: the q/k/v projections' input width (EAGLE-3's layer reads [embed; hidden])."""
         H, K, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         d_in = d_in or D
-        quant = cfg.quantization
+        quant = cfg.quantization.dense if cfg.quantization else None
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, Dh
         bias = cfg.attention_bias
         self.q_proj = Linear(d_in, H * Dh, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
@@ -127,6 +127,10 @@ class Attention(nnx.Module):
         else:
             self.k_scale = self.v_scale = None
 
+    def attention_sinks(self):
+        """f32[H] sink logits of this layer's softmax (GPT-OSS: models/gpt_oss.py); None: none."""
+        return None
+
     def __call__(self, x, cos, sin, kv_cache, layer, fb: ForwardBatch, backend: AttentionBackend,
                  meta, lora: LoraLayer = NO_LORA):
         T = x.shape[0]
@@ -136,11 +140,12 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_cos_sin(q, cos, sin), apply_rope_cos_sin(k, cos, sin)
+        sinks = self.attention_sinks()
         if self.k_scale is None:
-            out, kv_cache = backend.forward(q, k, v, kv_cache, layer, fb, meta)
+            out, kv_cache = backend.forward(q, k, v, kv_cache, layer, fb, meta, sinks)
         else:
             out, kv_cache = backend.forward_scaled(q, k, v, kv_cache, layer, fb, meta,
-                                                   self.k_scale[...], self.v_scale[...])
+                                                   self.k_scale[...], self.v_scale[...], sinks)
         out = out.reshape(T, self.num_heads * self.head_dim)
         return lora.apply("o_proj", out, self.o_proj(out)), kv_cache
 
@@ -161,7 +166,8 @@ def activation(name: str):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.hidden_act = cfg.hidden_act
-        D, F, quant, bias = cfg.hidden_size, cfg.intermediate_size, cfg.quantization, cfg.mlp_bias
+        D, F, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        quant = cfg.quantization.dense if cfg.quantization else None
         self.gate_proj = Linear(D, F, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
         self.up_proj = Linear(D, F, bias=bias, dtype=dtype, rngs=rngs, quant=quant)
         self.down_proj = Linear(F, D, bias=bias, dtype=dtype, rngs=rngs, quant=quant)

@@ -1,6 +1,6 @@
 """Which model class serves which config.json `architectures`."""
 
-from models import deepseek, gemma_config
+from models import deepseek, gemma_config, gpt_oss
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
@@ -9,7 +9,8 @@ from models.llama_pooling import LlamaForPooling
 # Llama, Mistral, Qwen2 and Qwen3 share one implementation; the config switches the differences.
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 MODEL_CLASSES.update(DeepseekV2ForCausalLM=deepseek.DeepseekV2ForCausalLM,
-                     DeepseekV3ForCausalLM=deepseek.DeepseekV3ForCausalLM)
+                     DeepseekV3ForCausalLM=deepseek.DeepseekV3ForCausalLM,
+                     GptOssForCausalLM=gpt_oss.GptOssForCausalLM)
 # Gemma 2 and 3 are a family of their own (models/gemma.py).
 MODEL_CLASSES.update({arch: GemmaForCausalLM for arch in gemma_config.ARCHITECTURES})
 

@@ -26,7 +26,7 @@ import numpy as np
 from jaxrunner.parallel.mesh import TENSOR_AXIS, check_tp_size, effective_kv_heads
 from models.config import ModelConfig
 from models.loading.loader import ParamSource, is_stacked, read_full
-from models.loading.moe_checkpoint import is_expert_param
+from models.loading.moe_checkpoint import BIAS_SUFFIX, is_expert_param
 from models.quantization.moe import SCALE_SUFFIX
 
 T = TENSOR_AXIS
@@ -70,6 +70,10 @@ def partition_spec(path: tuple, expert_axes: tuple[str, ...] = ()) -> P:
         # A quantized expert's scales [L, P, 1, out]: its kernel's spec, in-features unsplit.
         kernel = partition_spec(path[:-1] + (path[-1].removesuffix(SCALE_SUFFIX),), expert_axes)
         return P(*kernel[:2], None, *kernel[3:])
+    if is_expert_param(path) and path[-1].endswith(BIAS_SUFFIX):
+        # An expert's bias [L, P, out] (GPT-OSS): its kernel's spec without the in-features.
+        kernel = partition_spec(path[:-1] + (path[-1].removesuffix(BIAS_SUFFIX),), expert_axes)
+        return P(*kernel[:2], *kernel[3:])
     name = path_name(path)
     if expert_axes and _EXPERTS.search(name):
         return P(None, expert_axes, None, None)

@@ -49,8 +49,26 @@ DEEPSEEK_V3 = {
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                             "weight_block_size": [128, 128]},
 }
+# gpt-oss-120b as published: MXFP4 experts (128, top-4), attention sinks, sliding (128) and full
+# layers in turn, YaRN over 4096 positions.
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+    "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
+    "swiglu_limit": 7.0, "sliding_window": 128, "attention_bias": True,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 200002,
+    "pad_token_id": 199999,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]},
+}
 CONFIGS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B,
-           "qwen3-32b": QWEN3_32B, "deepseek-v3": DEEPSEEK_V3}
+           "qwen3-32b": QWEN3_32B, "deepseek-v3": DEEPSEEK_V3, "gpt-oss-120b": GPT_OSS_120B}
 
 
 def write_config(name: str, directory: str | Path) -> Path:

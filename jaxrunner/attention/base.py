@@ -92,14 +92,17 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
-                layer: jax.Array, forward_batch: ForwardBatch,
-                metadata) -> tuple[jax.Array, jax.Array]:
+                layer: jax.Array, forward_batch: ForwardBatch, metadata,
+                sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim], kv_cache (every layer's
         pages, flat: see the module docstring), layer i32[] -> (out [T, num_heads, head_dim],
-        kv_cache with the new K/V written at `forward_batch.out_cache_loc` of `layer`)."""
+        kv_cache with the new K/V written at `forward_batch.out_cache_loc` of `layer`).
+        `sinks` f32[num_heads]: the layer's attention-sink logits (a logit per head in the
+        softmax's denominator, with no value: GPT-OSS); None: none, and the step's programs
+        stay as they are without them."""
 
     def forward_scaled(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch, metadata,
-                       k_scale: jax.Array, v_scale: jax.Array):
+                       k_scale: jax.Array, v_scale: jax.Array, sinks: jax.Array | None = None):
         """`forward` with the layer's KV cache scales (float32 scalars;
         models/quantization/kv_scales.py). The cache holds k / k_scale and v / v_scale; q * k_scale
         scores the stored keys as the real ones, and the output times v_scale is the real values'
@@ -109,7 +112,7 @@ class AttentionBackend(abc.ABC):
         f32 = jnp.float32
         out, kv_cache = self.forward(q.astype(f32) * k_scale, k.astype(f32) / k_scale,
                                      v.astype(f32) / v_scale, kv_cache, layer, forward_batch,
-                                     metadata)
+                                     metadata, sinks)
         return (out.astype(f32) * v_scale).astype(q.dtype), kv_cache
 
     def for_layers(self, *, sliding_window: int | None, num_layers: int) -> "AttentionBackend":

@@ -21,7 +21,7 @@ class CpuAttentionBackend(AttentionBackend):
         return ragged_metadata(forward_batch)
 
     def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch,
-                metadata: RaggedMetadata):
+                metadata: RaggedMetadata, sinks=None):
         offset = self.page_offset(kv_cache, layer)
         kv_cache = self.write_kv(kv_cache, k, v, forward_batch, offset)
         out = kernels_cpu.ragged_paged_attention_cpu(
@@ -29,5 +29,6 @@ class CpuAttentionBackend(AttentionBackend):
             forward_batch.page_table + offset,
             metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
             sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap,
-            kv_bound=forward_batch.kv_bound, kv_tree_mask=forward_batch.kv_tree_mask)
+            kv_bound=forward_batch.kv_bound, kv_tree_mask=forward_batch.kv_tree_mask,
+            sinks=sinks)
         return out.astype(q.dtype), kv_cache

@@ -40,9 +40,9 @@ class MlaPallasBackend(AttentionBackend):
         return ragged_metadata(forward_batch)
 
     def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch,
-                metadata: RaggedMetadata):
+                metadata: RaggedMetadata, sinks=None):
         for name, value in (("kv_bound", forward_batch.kv_bound),
-                            ("kv_tree_mask", forward_batch.kv_tree_mask)):
+                            ("kv_tree_mask", forward_batch.kv_tree_mask), ("sinks", sinks)):
             if value is not None:
                 raise NotImplementedError(f"the MLA kernels have no {name} (a latent cache's "
                                           f"attention is causal)")

@@ -110,12 +110,12 @@ class NativeAttentionBackend(AttentionBackend):
             num_chunks=((jnp.max(block_kv_len) + chunk - 1) // chunk).astype(jnp.int32))
 
     def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch,
-                metadata: NativeMetadata):
+                metadata: NativeMetadata, sinks=None):
         offset = self.page_offset(kv_cache, layer)
         kv_cache = self.write_kv(kv_cache, k, v, forward_batch, offset)
         _, _, pages_per_chunk = self._shape(forward_batch)
         out = paged_attention(q, kv_cache, metadata.replace(
-            block_pages=metadata.block_pages + offset), self.config, pages_per_chunk)
+            block_pages=metadata.block_pages + offset), self.config, pages_per_chunk, sinks)
         return out, kv_cache
 
 
@@ -129,9 +129,10 @@ def _keys_and_values(kv, cfg: AttentionConfig):
 
 
 def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
-                    pages_per_chunk: int):
+                    pages_per_chunk: int, sinks=None):
     """q [T, Hq, D] over the cached K/V of each token's request -> [T, Hq, Dv] (Dv: D, or a
-    latent cache's value_dim)."""
+    latent cache's value_dim). `sinks` f32[Hq]: a logit per head joining the softmax's
+    denominator only (None: none)."""
     T, num_heads, head_dim = q.shape
     value_dim = cfg.value_dim or head_dim
     num_blocks, block = meta.block_rows.shape
@@ -192,8 +193,14 @@ def paged_attention(q, kv_cache, meta: NativeMetadata, cfg: AttentionConfig,
         return m_new, l, acc
 
     stats = (num_blocks, block, num_kv_heads, group)
-    init = (jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros(stats + (value_dim,), jnp.float32))
+    m0, l0 = jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32)
+    if sinks is not None:
+        # A sink is the softmax's state before any key: max = the sink, sum = exp(0) = 1 (a
+        # sink at or below _MASKED, -inf included, is none).
+        sink = jnp.maximum(sinks.astype(jnp.float32), _MASKED).reshape(num_kv_heads, group)
+        m0 = jnp.broadcast_to(sink, stats)
+        l0 = jnp.where(m0 > _MASKED, 1.0, 0.0).astype(jnp.float32)
+    init = (m0, l0, jnp.zeros(stats + (value_dim,), jnp.float32))
     _, l, acc = lax.fori_loop(0, meta.num_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]                          # [NB, Bq, Hkv, G, Dv]
     out = out[meta.token_block, meta.token_row]                           # [T, Hkv, G, Dv]

@@ -62,7 +62,7 @@ class PallasAttentionBackend(AttentionBackend):
         return ragged_metadata(forward_batch)
 
     def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch,
-                metadata: RaggedMetadata):
+                metadata: RaggedMetadata, sinks=None):
         offset = self.page_offset(kv_cache, layer)
         kv_cache = self.write_kv(kv_cache, k, v, forward_batch, offset)
         out = ragged_paged_attention(
@@ -71,5 +71,5 @@ class PallasAttentionBackend(AttentionBackend):
             metadata.cu_q_lens, metadata.num_seqs, sm_scale=self.config.sm_scale,
             sliding_window=self.config.sliding_window, soft_cap=self.config.soft_cap,
             kv_bound=forward_batch.kv_bound, kv_tree_mask=forward_batch.kv_tree_mask,
-            backend=self.kernel, interpret=self.interpret)
+            sinks=sinks, backend=self.kernel, interpret=self.interpret)
         return out.astype(q.dtype), kv_cache

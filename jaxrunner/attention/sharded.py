@@ -53,7 +53,8 @@ class ShardedAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         return self.inner.init_forward_metadata(forward_batch)
 
-    def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch, metadata):
+    def forward(self, q, k, v, kv_cache, layer, forward_batch: ForwardBatch, metadata,
+                sinks=None):
         # Inside DP attention's shard_map over `data` the context mesh has `data` manual; the
         # shard_map over `tensor` must name that mesh.
         context = jax.sharding.get_abstract_mesh()
@@ -61,9 +62,11 @@ class ShardedAttentionBackend(AttentionBackend):
         # A latent cache (MLA) is replicated: every shard writes the same rows and reads them
         # for its own query heads.
         kv, cache = (P(), P()) if self.config.latent else (_HEADS, _KV_CACHE)
+        # Sinks are per query head: each shard takes its heads' (None has no leaves to split).
+        sink_spec = P(TENSOR_AXIS) if sinks is not None else P()
         # check_vma=False: Pallas kernels do not declare how their outputs vary over the mesh.
         per_shard = jax.shard_map(
             self.inner.forward, mesh=mesh,
-            in_specs=(_HEADS, kv, kv, cache, P(), P(), P()),
+            in_specs=(_HEADS, kv, kv, cache, P(), P(), P(), sink_spec),
             out_specs=(_HEADS, cache), check_vma=False)
-        return per_shard(q, k, v, kv_cache, layer, forward_batch, metadata)
+        return per_shard(q, k, v, kv_cache, layer, forward_batch, metadata, sinks)

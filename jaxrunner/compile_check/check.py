@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 import time
 
+from flax import nnx
 import jax
 
 from jaxrunner.compile_check.slices import BadInput, Slice, mesh_sizes
@@ -20,6 +21,8 @@ from jaxrunner.runner.compiler import ProgramReport
 from jaxrunner.runner.memory_plan import KvCapacityError
 from jaxrunner.runner.model_runner import ModelRunner, compile_for_target
 from models.config import ModelConfig
+from models.layers.moe import Experts
+from models.quantization.moe import SCALE_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class CheckResult:
     kv_tokens: int
     kv_planned: bool       # False: the memory left no KV cache (compiled with a minimal one)
     compile_s: float
+    # Device bytes of the MoE experts' weights (with their scales) per weight, in bits; None
+    # for a dense model (MXFP4: 4.25).
+    expert_bits_per_weight: float | None = None
 
     @property
     def failed(self) -> int:
@@ -68,6 +74,7 @@ class CheckResult:
                     dp_size=self.dp_size, ep_size=self.ep_size,
                     programs=[dataclasses.asdict(p) for p in self.programs],
                     per_device=per_device, kv_tokens=self.kv_tokens, fits=self.fits,
+                    expert_bits_per_weight=self.expert_bits_per_weight,
                     compiled=self.compiled, failed=self.failed, advice=advice(self),
                     compile_s=round(self.compile_s, 1))
 
@@ -115,7 +122,7 @@ def run_check(args: EngineArgs, model_config: ModelConfig, slice_: Slice) -> Che
                        runner.args.dp_size, runner.args.ep_size,
                        tuple(compiler.reports.values()), per_device,
                        memory.max_total_tokens if kv_planned else 0, kv_planned,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, expert_bits(runner))
 
 
 def _compile(args: EngineArgs, model_config: ModelConfig, slice_: Slice) -> ModelRunner:
@@ -125,6 +132,20 @@ def _compile(args: EngineArgs, model_config: ModelConfig, slice_: Slice) -> Mode
         raise
     except ValueError as error:
         raise BadInput(str(error)) from error
+
+
+def expert_bits(runner: ModelRunner) -> float | None:
+    """The experts' weights and scales (all devices, biases left out) in bits per weight of
+    the model's experts; None for a dense model."""
+    cfg = runner.sharded_config  # its slots: the experts and their EPLB copies
+    if not cfg.is_moe:
+        return None
+    leaves = [v for p, v in nnx.to_flat_state(runner.state)
+              if "experts" in p and p[-1].removesuffix(SCALE_SUFFIX) in Experts.LEAVES]
+    nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    weights = (len(cfg.moe_layers) * cfg.num_physical_experts * 3 * cfg.hidden_size
+               * cfg.moe_intermediate_size)
+    return 8 * nbytes / weights
 
 
 def _other_bytes(runner: ModelRunner) -> int:

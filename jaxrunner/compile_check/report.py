@@ -57,6 +57,8 @@ def table(result: CheckResult) -> str:
         f"{per.kv_cache_bytes / gib:.2f} GiB + largest temporaries "
         f"{per.max_temp_bytes / gib:.2f} GiB + other {per.other_bytes / gib:.2f} GiB = "
         f"{per.total_bytes / gib:.2f} GiB of {per.hbm_bytes / gib:.2f} GiB",
+        *([f"experts: {result.expert_bits_per_weight:.2f} bits per weight"]
+          if result.expert_bits_per_weight is not None else []),
         f"KV cache: {result.kv_tokens} tokens; fits: {'yes' if result.fits else 'no'}"]
     if not result.fits:
         lines.append(f"to change: {result.to_json()['advice']}")

@@ -71,8 +71,9 @@ def logical_counts(physical_counts: np.ndarray, placement: np.ndarray,
 
 
 def _leaves(flat, run_path) -> list[str]:
-    """The expert leaves a run holds: the weights, and their scales when quantized."""
-    leaves = EXPERT_LEAVES + tuple(leaf + "_scale" for leaf in EXPERT_LEAVES)
+    """The expert leaves a run holds: the weights, their scales when quantized, their biases."""
+    leaves = EXPERT_LEAVES + tuple(leaf + suffix for suffix in ("_scale", "_bias")
+                                   for leaf in EXPERT_LEAVES)
     return [leaf for leaf in leaves if run_path + ("mlp", "experts", leaf) in flat]
 
 

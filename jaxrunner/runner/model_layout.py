@@ -65,8 +65,16 @@ def moe_runner_for(cfg: ModelConfig, args: EngineArgs, parallel: Parallelism,
         raise ValueError(f"tp_size ({parallel.tp_size}) must divide moe_intermediate_size "
                          f"({cfg.moe_intermediate_size}) when ep_size is 1")
     backend = args.moe_runner_backend
+    # MXFP4 experts are dequantised one expert at a time, inside the blocked grouped matmul.
+    mxfp4 = cfg.quantization is not None and cfg.quantization.method == "mxfp4"
+    if mxfp4 and backend == "ragged_dot":
+        raise ValueError("moe_runner_backend 'ragged_dot' cannot run MXFP4 experts (it would "
+                         "dequantise every expert at once); use 'blocked'")
+    if mxfp4 and split_experts and (cfg.moe_intermediate_size // parallel.tp_size) % 32:
+        raise ValueError(f"MXFP4 experts split over tp_size {parallel.tp_size} need "
+                         f"moe_intermediate_size / tp_size a multiple of 32 (whole blocks)")
     if backend == "auto":
-        backend = "blocked" if device_platform == "cpu" else "ragged_dot"
+        backend = "blocked" if device_platform == "cpu" or mxfp4 else "ragged_dot"
     return MoeRunner(grouped_matmul=backend, mesh=parallel.mesh, expert_axes=axes,
                      tensor_axis=TENSOR_AXIS if split_experts else None)
 

@@ -19,7 +19,7 @@ FP8_DTYPES = (jax.numpy.dtype(jax.numpy.float8_e4m3fn), jax.numpy.dtype(jax.nump
 
 
 def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap, kv_bound=None, kv_tree_mask=None):
+                      sliding_window, soft_cap, kv_bound=None, kv_tree_mask=None, sinks=None):
     """Checks shapes, dtypes and static options at trace time; raises ValueError if wrong."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
@@ -58,6 +58,10 @@ def check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
         raise ValueError(f"kv_bound must be i32[num_tokens] = i32[{q.shape[0]}], got "
                          f"{kv_bound.dtype}{list(kv_bound.shape)}")
     check_tree_mask(kv_tree_mask, q.shape[0])
+    if sinks is not None and (sinks.shape != (q.shape[1],)
+                              or not jax.numpy.issubdtype(sinks.dtype, jax.numpy.floating)):
+        raise ValueError(f"sinks must be a float [num_q_heads] = [{q.shape[1]}], got "
+                         f"{sinks.dtype}{list(sinks.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
@@ -98,6 +102,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     kv_bound=None,  # i32[T] or None
     kv_tree_mask=None,  # i32[T, NW] or None
+    sinks=None,  # f32[num_q_heads] or None
     backend: str = "auto",
     interpret: bool = False,
 ):
@@ -111,7 +116,9 @@ def ragged_paged_attention(
     p <= its own: causal is kv_bound = position + 1, a block-diffusion block sees up to the
     block's end. The sliding window still counts back from the token's own position. With
     `kv_tree_mask` (a speculative verify step of a draft tree, `tree_mask.py`), a token sees
-    of its sequence's new tokens only those whose bits its mask row sets.
+    of its sequence's new tokens only those whose bits its mask row sets. With `sinks`, query
+    head h's softmax has one more logit, sinks[h], that takes no value (an attention sink, as
+    GPT-OSS learns one per head): the weights of the real keys sum to less than 1.
     Query head h uses KV head h // (num_q_heads // num_kv_heads). Only the first num_seqs[0]
     sequences are real; the output rows of padded tokens are finite but meaningless.
 
@@ -121,6 +128,8 @@ def ragged_paged_attention(
       soft_cap: logits become soft_cap * tanh(logits / soft_cap) (None: no cap).
       kv_bound: per query token, the end (exclusive) of the KV positions it sees; None: causal.
       kv_tree_mask: per query token, i32 words of a bitmask over its sequence's new tokens.
+      sinks: per query head, a logit joining the softmax's denominator; None (no sink) leaves
+        the kernels' programs as they were, -inf is the same as None.
       backend: "tpu", "gpu", "reference", or "auto" (by the default device's platform).
       interpret: run the TPU or GPU kernel in Pallas interpret mode (works on CPU).
 
@@ -128,10 +137,10 @@ def ragged_paged_attention(
       [T, num_q_heads, head_dim] in q's dtype.
     """
     check_static_args(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sliding_window, soft_cap, kv_bound, kv_tree_mask)
+                      sliding_window, soft_cap, kv_bound, kv_tree_mask, sinks)
     backend = resolve_backend(backend)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  kv_bound=kv_bound, kv_tree_mask=kv_tree_mask)
+                  kv_bound=kv_bound, kv_tree_mask=kv_tree_mask, sinks=sinks)
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)

@@ -173,6 +173,7 @@ def ragged_paged_attention_gpu(
     soft_cap: float | None = None,
     kv_bound=None,  # i32[T] or None (causal)
     kv_tree_mask=None,  # i32[T, NW] or None (no tree)
+    sinks=None,  # f32[num_q_heads] or None (no sink)
     block_sizes: tuning.GpuBlockSizes | None = None,
     interpret: bool = False,
 ):
@@ -266,7 +267,8 @@ def ragged_paged_attention_gpu(
         name="ragged_paged_attention_gpu",
     )(*inputs)
 
-    out = combine_splits(acc, m, l)  # [num_work, num_kv_heads, rows, head_dim]
+    sink_rows = None if sinks is None else _sink_rows(sinks, num_kv_heads, group_padded, q_tokens)
+    out = combine_splits(acc, m, l, sink_rows)  # [num_work, num_kv_heads, rows, head_dim]
     out = out.reshape(num_work, num_kv_heads, q_tokens, group_padded, head_dim)
     seq, _, is_real = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
     offset = jnp.arange(num_tokens) - cu_q_lens[seq]
@@ -275,10 +277,25 @@ def ragged_paged_attention_gpu(
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def combine_splits(acc, m, l):
-    """Merges flash-decoding partials over axis 0: acc f32[S, ..., D], m and l f32[S, ...]."""
+def _sink_rows(sinks, num_kv_heads: int, group_padded: int, q_tokens: int):
+    """f32[num_kv_heads, q_tokens * group_padded]: each work row's sink logit (row r of KV head
+    h is query head h * group + r % group_padded; padded heads get none)."""
+    group = sinks.shape[0] // num_kv_heads
+    per_head = jnp.maximum(sinks.astype(jnp.float32), MASK_VALUE).reshape(num_kv_heads, group)
+    per_head = jnp.pad(per_head, ((0, 0), (0, group_padded - group)), constant_values=MASK_VALUE)
+    return jnp.tile(per_head, (1, q_tokens))
+
+
+def combine_splits(acc, m, l, sink=None):
+    """Merges flash-decoding partials over axis 0: acc f32[S, ..., D], m and l f32[S, ...].
+    `sink` (f32 broadcasting to m[0], at least MASK_VALUE, or None) is one more partial with no
+    value: a logit that joins the denominator only (attention sinks)."""
     m_max = jnp.max(m, axis=0)
+    if sink is not None:
+        m_max = jnp.maximum(m_max, sink)
     weight = jnp.exp(m - m_max)  # empty splits have m = MASK_VALUE: weight 0 (or l = 0)
     l_total = jnp.sum(l * weight, axis=0)
+    if sink is not None:
+        l_total += jnp.exp(sink - m_max)
     acc_total = jnp.sum(acc * weight[..., None], axis=0)
     return acc_total / jnp.where(l_total > 0, l_total, 1.0)[..., None]

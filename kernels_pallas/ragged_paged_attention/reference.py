@@ -46,6 +46,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     kv_bound=None,  # i32[T] or None (causal)
     kv_tree_mask=None,  # i32[T, NW] or None (no tree: `tree_mask.py`)
+    sinks=None,  # f32[num_q_heads] or None (no sink)
 ):
     """Ragged paged attention in plain jnp; same contract as `ragged_paged_attention`.
 
@@ -63,6 +64,9 @@ def ragged_paged_attention_reference(
     new_start = kv_lens[seq_ids] - q_lens  # KV position of the sequence's first new token
     words = (jnp.full((num_tokens, 1), -1, jnp.int32) if kv_tree_mask is None
              else kv_tree_mask)
+    # A sink is one more logit in every row's softmax, with no value: [num_kv_heads, group, 1].
+    sink_logits = (None if sinks is None
+                   else sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1))
 
     def attend_one_token(args):
         q_t, seq, pos, bound, real, start, tree = args  # [num_q_heads, head_dim], scalars, [NW]
@@ -83,9 +87,13 @@ def ragged_paged_attention_reference(
         # Unused pages may hold NaN: zero V where invisible so 0 * NaN cannot reach the sum.
         v = jnp.where(visible[:, None, None], v, 0.0)
         row_max = jnp.max(logits, axis=-1, keepdims=True)
+        if sink_logits is not None:
+            row_max = jnp.maximum(row_max, sink_logits)
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # all-masked row (padding)
         probs = jnp.exp(logits - row_max)
         denom = jnp.sum(probs, axis=-1, keepdims=True)
+        if sink_logits is not None:
+            denom += jnp.exp(sink_logits - row_max)
         out = jnp.einsum("kgl,lkd->kgd", probs, v, precision="highest")
         out = out / jnp.where(denom > 0, denom, 1.0)
         return out.reshape(num_q_heads, head_dim)

@@ -156,22 +156,24 @@ def _load_head_chunk(kv_bufs, slot, h: int, *, num_kv_heads: int, kv_tokens: int
     return kv, kv
 
 
-def _kernel(*refs, bounded: bool, tree: bool, **static):
+def _kernel(*refs, bounded: bool, tree: bool, sinks: bool, **static):
     """Unpacks the refs: with `bounded`, a fifth scalar-prefetch array (each sequence's KV end)
     and an input (each query row's KV bound) come in; with `tree`, an input of each query row's
-    tree-mask words (`tree_mask.py`); a causal call carries neither."""
+    tree-mask words (`tree_mask.py`); with `sinks`, an input of each query row's sink logit; a
+    causal call without sinks carries none of them."""
     num_prefetch = 5 if bounded else 4
-    num_inputs = 2 + bounded + tree
+    num_inputs = 2 + bounded + tree + sinks
     prefetch = refs[:num_prefetch]
     seq_kv_end_ref = prefetch[4] if bounded else None
     inputs = refs[num_prefetch:num_prefetch + num_inputs]
     q_ref, kv_hbm_ref = inputs[:2]
     bound_ref = inputs[2] if bounded else None
-    tree_ref = inputs[-1] if tree else None
+    tree_ref = inputs[2 + bounded] if tree else None
+    sink_ref = inputs[-1] if sinks else None
     o_ref = refs[num_prefetch + num_inputs]
     scratch = refs[num_prefetch + num_inputs + 1:]
     _attend(*prefetch[:4], q_ref, kv_hbm_ref, o_ref, *scratch, seq_kv_end_ref=seq_kv_end_ref,
-            bound_ref=bound_ref, tree_ref=tree_ref, **static)
+            bound_ref=bound_ref, tree_ref=tree_ref, sink_ref=sink_ref, **static)
 
 
 def _attend(
@@ -195,6 +197,7 @@ def _attend(
     seq_kv_end_ref,  # i32[max_num_seqs] (SMEM): KV end of each sequence's bounds; None: causal
     bound_ref,  # i32[q_tokens * group, 128] (VMEM block): each row's KV bound; None: causal
     tree_ref,  # i32[q_tokens * group, 128] (VMEM block): tree-mask words in lanes 0..NW-1
+    sink_ref,  # f32[num_kv_heads, q_tokens * group, 128] (VMEM): each row's sink; None: none
     tree_words: int,
     sm_scale: float,
     sliding_window: int | None,
@@ -214,9 +217,16 @@ def _attend(
     kv_tokens = kv_pages * page_size
     block_first_token = q_block * q_tokens
 
-    # Every step owns its output block, so it starts fresh.
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    # Every step owns its output block, so it starts fresh. A sink is the softmax's state before
+    # any key: a running max of the sink logit and a denominator of exp(0) = 1 (0 for a sink at
+    # MASK_VALUE, so -inf is no sink).
+    if sink_ref is None:
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:
+        sink = sink_ref[...]
+        m_ref[...] = sink
+        l_ref[...] = jnp.where(sink > MASK_VALUE, 1.0, 0.0).astype(jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def page_copies(seq, page, slot, page_in_block):
@@ -394,6 +404,7 @@ def ragged_paged_attention_tpu(
     soft_cap: float | None = None,
     kv_bound=None,  # i32[T] or None (causal)
     kv_tree_mask=None,  # i32[T, NW] or None (no tree)
+    sinks=None,  # f32[num_q_heads] or None (no sink)
     block_sizes: tuning.TpuBlockSizes | None = None,
     interpret: bool = False,
 ):
@@ -461,8 +472,17 @@ def ragged_paged_attention_tpu(
                                                   (0, 0))), group, axis=0)
         inputs.append(jnp.pad(words, ((0, 0), (0, _STAT_LANES - tree_words))))
         in_specs.append(pl.BlockSpec((q_rows, _STAT_LANES), lambda q_block, *_: (q_block, 0)))
+    if sinks is not None:
+        # Row r of KV head h is query head h * group + r % group in every block: one block for
+        # the whole grid, lane-replicated like m and l.
+        per_head = jnp.maximum(sinks.astype(jnp.float32), MASK_VALUE).reshape(num_kv_heads, group)
+        rows = jnp.tile(per_head, (1, q_tokens))
+        inputs.append(jnp.broadcast_to(rows[..., None], (num_kv_heads, q_rows, _STAT_LANES)))
+        in_specs.append(pl.BlockSpec((num_kv_heads, q_rows, _STAT_LANES),
+                                     lambda q_block, *_: (0, 0, 0)))
     kernel = functools.partial(
-        _kernel, bounded=bounded, tree=kv_tree_mask is not None, tree_words=tree_words,
+        _kernel, bounded=bounded, tree=kv_tree_mask is not None, sinks=sinks is not None,
+        tree_words=tree_words,
         sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, group=group,
         q_tokens=q_tokens, page_size=page_size, pages_per_seq=pages_per_seq, kv_pages=kv_pages,

@@ -17,22 +17,88 @@ The expert MLPs run as a grouped matmul over the pairs sorted by slot, in one of
   over just the blocks the groups need (megablocks' layout). On a CPU XLA lowers ragged_dot to
   a loop far slower than this (scripts/bench_moe.py).
 `moe_reference` computes every expert for every token: the tests' reference, no serving path.
+
+An expert MLP is act(x @ gate) * (x @ up) @ down, `act` SiLU; GPT-OSS's experts add a bias per
+expert to each projection (`BiasedExperts`, the weights and biases travelling together as one
+pytree, as quantized weights do) and gate with its clamped SwiGLU (`ExpertActivation`).
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.loading.moe_checkpoint import BIAS_SUFFIX
 from models.quantization.config import QuantConfig
+from models.quantization import mxfp4
 from models.quantization.moe import SCALE_SUFFIX, QuantizedExperts, expert_matmul, ragged_matmul
 
 GROUPED_MATMULS = ("blocked", "ragged_dot")
 # Block rows of the blocked form: the expected rows per expert, rounded up to a power of two and
 # clamped (few rows per block waste less padding; more rows make better matmuls).
 MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 8, 128
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How an expert gates: "silu" (silu(gate) * up) or "clamped_swiglu", GPT-OSS's (transformers'
+    GptOssExperts): gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate). Static: part of the compiled program."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.kind not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"expert activation {self.kind!r} is not one of silu, "
+                             f"clamped_swiglu")
+
+    def __call__(self, gate, up):
+        if self.kind == "silu":
+            return jax.nn.silu(gate) * up
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+SILU = ExpertActivation()
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class BiasedExperts:
+    """Experts' weights [G, in, out] (float, or `QuantizedExperts`) with an output bias per
+    expert [G, out] (or one expert's: [in, out], [out])."""
+
+    kernel: Any
+    bias: jax.Array
+
+    @property
+    def shape(self):
+        return self.kernel.shape
+
+    def __getitem__(self, index):
+        return BiasedExperts(self.kernel[index], self.bias[index])
+
+
+def _matmul(x, w):
+    """x [..., in] @ one expert's weight (+ its bias)."""
+    if isinstance(w, BiasedExperts):
+        return expert_matmul(x, w.kernel) + w.bias.astype(x.dtype)
+    return expert_matmul(x, w)
+
+
+def _ragged(xs, w, group_sizes):
+    """`ragged_matmul`, each row's group's bias added."""
+    if not isinstance(w, BiasedExperts):
+        return ragged_matmul(xs, w, group_sizes)
+    group = jnp.repeat(jnp.arange(w.bias.shape[0]), group_sizes,
+                       total_repeat_length=xs.shape[0])
+    return ragged_matmul(xs, w.kernel, group_sizes) + w.bias[group].astype(xs.dtype)
 
 
 class ExpertMap(nnx.Variable):
@@ -78,30 +144,54 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """The expert MLPs' weights, one row per physical slot: gate/up [P, D, I], down [P, I, D];
     with `quant`, in its weight dtype with per-output-channel scales `<name>_scale` [P, 1, out]
-    (models/quantization/moe.py)."""
+    (models/quantization/moe.py), or MXFP4's blocks [P, in / 2, out] and scales `<name>_scale`
+    [P, in / 32, out] (models/quantization/mxfp4.py); with `bias`, a bias per slot
+    `<name>_bias` [P, out]."""
 
     LEAVES = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, num_slots: int, d_model: int, d_ff: int, dtype, rngs: nnx.Rngs,
-                 quant: QuantConfig | None = None):
+                 quant: QuantConfig | None = None, bias: bool = False):
         shapes = {"gate_proj": (num_slots, d_model, d_ff), "up_proj": (num_slots, d_model, d_ff),
                   "down_proj": (num_slots, d_ff, d_model)}
         self.quantized = quant is not None
+        self.mxfp4 = quant is not None and quant.method == "mxfp4"
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)
         for name, shape in shapes.items():
             if quant is None:
                 setattr(self, name, nnx.Param(init(rngs.params(), shape, dtype)))
+            elif quant.method == "mxfp4":  # loaded from the checkpoint, never initialised
+                slots, d_in, d_out = shape
+                mxfp4.check_shape(d_in)
+                setattr(self, name, nnx.Param(jnp.zeros((slots, d_in // 2, d_out), jnp.uint8)))
+                setattr(self, name + SCALE_SUFFIX, nnx.Param(
+                    jnp.zeros((slots, d_in // mxfp4.BLOCK, d_out), jnp.uint8)))
             else:  # loaded from the checkpoint, never initialised
                 setattr(self, name, nnx.Param(jnp.zeros(shape, quant.weight_dtype)))
                 setattr(self, name + SCALE_SUFFIX,
                         nnx.Param(jnp.ones((num_slots, 1, shape[-1]), jnp.float32)))
+            if bias:
+                setattr(self, name + BIAS_SUFFIX,
+                        nnx.Param(jnp.zeros((num_slots, shape[-1]), dtype)))
+        self.biased = bias
 
     def weights(self):
-        """(gate, up, down): arrays, or `QuantizedExperts` when quantized."""
+        """(gate, up, down): arrays, or `QuantizedExperts` when quantized, each inside a
+        `BiasedExperts` with its bias when the experts have biases."""
         if not self.quantized:
-            return tuple(getattr(self, n)[...] for n in self.LEAVES)
-        return tuple(QuantizedExperts(getattr(self, n)[...], getattr(self, n + SCALE_SUFFIX)[...])
-                     for n in self.LEAVES)
+            weights = tuple(getattr(self, n)[...] for n in self.LEAVES)
+        elif self.mxfp4:
+            weights = tuple(mxfp4.Mxfp4Experts(getattr(self, n)[...],
+                                               getattr(self, n + SCALE_SUFFIX)[...])
+                            for n in self.LEAVES)
+        else:
+            weights = tuple(QuantizedExperts(getattr(self, n)[...],
+                                             getattr(self, n + SCALE_SUFFIX)[...])
+                            for n in self.LEAVES)
+        if not self.biased:
+            return weights
+        return tuple(BiasedExperts(w, getattr(self, n + BIAS_SUFFIX)[...])
+                     for w, n in zip(weights, self.LEAVES))
 
 
 @jax.tree_util.register_dataclass
@@ -143,7 +233,8 @@ def block_rows(num_pairs: int, num_slots: int) -> int:
     return int(min(MAX_BLOCK_ROWS, max(MIN_BLOCK_ROWS, 1 << (expected - 1).bit_length())))
 
 
-def blocked_mlp(xs, group_sizes, wg, wu, wd, rows_per_block: int):
+def blocked_mlp(xs, group_sizes, wg, wu, wd, rows_per_block: int,
+                activation: ExpertActivation = SILU):
     """The expert MLP of each row of xs [M, D] (sorted by group; rows past sum(group_sizes) are
     not computed and come back 0), group g by wg/wu [G, D, I], wd [G, I, D].
 
@@ -162,8 +253,8 @@ def blocked_mlp(xs, group_sizes, wg, wu, wd, rows_per_block: int):
         g = jnp.minimum(jnp.sum(b >= block_end), G - 1)
         start = group_start[g] + (b - (block_end[g] - blocks[g])) * B
         xb = jax.lax.dynamic_slice_in_dim(xs, start, B)
-        h = jax.nn.silu(expert_matmul(xb, wg[g])) * expert_matmul(xb, wu[g])
-        y = expert_matmul(h, wd[g])
+        h = activation(_matmul(xb, wg[g]), _matmul(xb, wu[g]))
+        y = _matmul(h, wd[g])
         in_group = start + jnp.arange(B) < group_start[g] + group_sizes[g]
         kept = jnp.where(in_group[:, None], y, jax.lax.dynamic_slice_in_dim(out, start, B))
         return jax.lax.dynamic_update_slice_in_dim(out, kept, start, 0)
@@ -172,15 +263,15 @@ def blocked_mlp(xs, group_sizes, wg, wu, wd, rows_per_block: int):
     return out[:M]
 
 
-def ragged_dot_mlp(xs, group_sizes, wg, wu, wd):
+def ragged_dot_mlp(xs, group_sizes, wg, wu, wd, activation: ExpertActivation = SILU):
     """`blocked_mlp` through `jax.lax.ragged_dot`."""
     in_group = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
-    h = jax.nn.silu(ragged_matmul(xs, wg, group_sizes)) * ragged_matmul(xs, wu, group_sizes)
-    return jnp.where(in_group[:, None], ragged_matmul(h, wd, group_sizes), 0)
+    h = activation(_ragged(xs, wg, group_sizes), _ragged(xs, wu, group_sizes))
+    return jnp.where(in_group[:, None], _ragged(h, wd, group_sizes), 0)
 
 
 def expert_mlp(x, routing: Routing, wg, wu, wd, first_slot, grouped_matmul: str,
-               total_slots: int):
+               total_slots: int, activation: ExpertActivation = SILU):
     """The experts of slots [first_slot, first_slot + G) (wg/wu [G, D, I], wd [G, I, D]) applied
     to the tokens routed to them, weighted: float32 [N, D], 0 where no choice of a token is
     here. Sort the (token, choice) pairs by slot, grouped matmul, scatter-add back."""
@@ -193,9 +284,10 @@ def expert_mlp(x, routing: Routing, wg, wu, wd, first_slot, grouped_matmul: str,
     group_sizes = jnp.zeros((G + 1,), jnp.int32).at[local].add(1)[:G]
     xs = x[token]
     if grouped_matmul == "blocked":
-        ys = blocked_mlp(xs, group_sizes, wg, wu, wd, block_rows(N * k, total_slots))
+        ys = blocked_mlp(xs, group_sizes, wg, wu, wd, block_rows(N * k, total_slots),
+                         activation)
     elif grouped_matmul == "ragged_dot":
-        ys = ragged_dot_mlp(xs, group_sizes, wg, wu, wd)
+        ys = ragged_dot_mlp(xs, group_sizes, wg, wu, wd, activation)
     else:
         raise ValueError(f"grouped matmul {grouped_matmul!r} is not one of {GROUPED_MATMULS}")
     weight = jnp.where(local[order] < G, routing.weights.reshape(-1)[order], 0)
@@ -203,10 +295,13 @@ def expert_mlp(x, routing: Routing, wg, wu, wd, first_slot, grouped_matmul: str,
     return jnp.zeros((N, x.shape[1]), jnp.float32).at[token].add(ys)
 
 
-def moe_reference(x, routing: Routing, wg, wu, wd):
-    """Every expert on every token, then the routed ones picked: the tests' reference."""
-    h = jax.nn.silu(jnp.einsum("nd,pdi->npi", x, wg)) * jnp.einsum("nd,pdi->npi", x, wu)
-    y = jnp.einsum("npi,pid->npd", h, wd)                                 # [N, P, D]
+def moe_reference(x, routing: Routing, wg, wu, wd, activation: ExpertActivation = SILU,
+                  biases=None):
+    """Every expert on every token, then the routed ones picked: the tests' reference.
+    `biases`: (gate [P, I], up [P, I], down [P, D]) or None."""
+    bg, bu, bd = biases if biases is not None else (0, 0, 0)
+    h = activation(jnp.einsum("nd,pdi->npi", x, wg) + bg, jnp.einsum("nd,pdi->npi", x, wu) + bu)
+    y = jnp.einsum("npi,pid->npd", h, wd) + bd                            # [N, P, D]
     num_slots = wg.shape[0]
     picked = jnp.take_along_axis(y, jnp.minimum(routing.slots, num_slots - 1)[..., None], axis=1)
     weight = jnp.where(routing.slots < num_slots, routing.weights, 0)

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrunner.parallel.mesh import DATA_AXIS, TENSOR_AXIS
-from models.layers.moe import Routing, expert_mlp
-from models.quantization.moe import weight_spec
+from models.layers.moe import SILU, BiasedExperts, ExpertActivation, Routing, expert_mlp
+from models.quantization.moe import weight_spec as quantized_weight_spec
 
 DISPATCHES = ("all_gather", "all_to_all")
 
@@ -55,12 +55,14 @@ class MoeRunner:
             raise ValueError("the all_to_all dispatch is implemented for experts split over "
                              f"'{TENSOR_AXIS}' only, got expert_axes={self.expert_axes}")
 
-    def __call__(self, x, routing: Routing, wg, wu, wd):
+    def __call__(self, x, routing: Routing, wg, wu, wd, activation: ExpertActivation = SILU):
         """x [N, D] (replicated over the mesh's automatic axes), the routing, the layer's
-        expert weights gate/up [P, D, I], down [P, I, D] -> y [N, D]."""
+        expert weights gate/up [P, D, I], down [P, I, D] (arrays, or quantized or biased ones:
+        models/layers/moe.py) and how they gate -> y [N, D]."""
         num_slots = wg.shape[0]
         if self.mesh is None or not (self.expert_axes or self.tensor_axis):
-            y = expert_mlp(x, routing, wg, wu, wd, 0, self.grouped_matmul, num_slots)
+            y = expert_mlp(x, routing, wg, wu, wd, 0, self.grouped_matmul, num_slots,
+                           activation)
             return y.astype(x.dtype)
         # Inside DP attention's shard_map the context mesh has `data` manual already.
         context = jax.sharding.get_abstract_mesh()
@@ -75,28 +77,33 @@ class MoeRunner:
             auto = tuple(a for a in self.expert_axes if a not in _manual_axes(context))
             in_specs = tuple(weight_spec(P(auto or None, None, None), w) for w in (wg, wu, wd))
             body = self._all_to_all if self.dispatch == "all_to_all" else self._all_gather
-        run = jax.shard_map(lambda x, r, *w: body(x, r, *w, num_slots=num_slots), mesh=mesh,
+        run = jax.shard_map(lambda x, r, *w: body(x, r, *w, num_slots=num_slots,
+                                                  activation=activation), mesh=mesh,
                             in_specs=(P(), P(), *in_specs), out_specs=P(),
                             axis_names={TENSOR_AXIS}, check_vma=False)
         return run(x, routing, wg, wu, wd)
 
-    def _tensor_parallel(self, x, routing, wg, wu, wd, *, num_slots):
-        y = expert_mlp(x, routing, wg, wu, wd, 0, self.grouped_matmul, num_slots)
+    def _tensor_parallel(self, x, routing, wg, wu, wd, *, num_slots, activation):
+        if isinstance(wd, BiasedExperts):  # whole on every shard: added by one of the sum's terms
+            first = jax.lax.axis_index(self.tensor_axis) == 0
+            wd = BiasedExperts(wd.kernel, jnp.where(first, wd.bias, 0))
+        y = expert_mlp(x, routing, wg, wu, wd, 0, self.grouped_matmul, num_slots, activation)
         return jax.lax.psum(y.astype(x.dtype), self.tensor_axis)
 
-    def _all_gather(self, x, routing, wg, wu, wd, *, num_slots):
+    def _all_gather(self, x, routing, wg, wu, wd, *, num_slots, activation):
         across_ranks = DATA_AXIS in self.expert_axes
         if across_ranks:  # EP spans DP ranks: every rank's tokens to every rank's experts
             x, routing = jax.tree.map(
                 lambda a: jax.lax.all_gather(a, DATA_AXIS, tiled=True), (x, routing))
         first_slot = _axis_rank(self.expert_axes) * wg.shape[0]
-        y = expert_mlp(x, routing, wg, wu, wd, first_slot, self.grouped_matmul, num_slots)
+        y = expert_mlp(x, routing, wg, wu, wd, first_slot, self.grouped_matmul, num_slots,
+                       activation)
         y = y.astype(x.dtype)
         if across_ranks:
             y = jax.lax.psum_scatter(y, DATA_AXIS, tiled=True)
         return jax.lax.psum(y, TENSOR_AXIS)
 
-    def _all_to_all(self, x, routing, wg, wu, wd, *, num_slots):
+    def _all_to_all(self, x, routing, wg, wu, wd, *, num_slots, activation):
         axis = TENSOR_AXIS
         ep, rank = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
         N, k = routing.slots.shape
@@ -124,11 +131,20 @@ class MoeRunner:
         received = Routing(recv_slot.reshape(-1, 1),
                            jnp.ones((ep * n * k, 1), x.dtype))
         ys = expert_mlp(recv_x.reshape(-1, x.shape[1]), received, wg, wu, wd, rank * G,
-                        self.grouped_matmul, num_slots).astype(x.dtype)
+                        self.grouped_matmul, num_slots, activation).astype(x.dtype)
         back = jax.lax.all_to_all(ys.reshape(ep, n * k, -1), axis, 0, 0, tiled=True)
         back = jnp.pad(back, ((0, 1), (0, 0), (0, 0)))[dest, row]       # [n * k, D]
         y = jnp.sum((back * weights.reshape(-1, 1)).reshape(n, k, -1), axis=1)
         return jax.lax.all_gather(y, axis, tiled=True)[:N]
+
+
+def weight_spec(spec: P, w):
+    """The shard_map in_spec of an expert weight whose kernel takes `spec` [G, in, out]; a
+    bias [G, out] follows the kernel's slots and out-features."""
+    if not isinstance(w, BiasedExperts):
+        return quantized_weight_spec(spec, w)
+    parts = tuple(spec) + (None,) * (3 - len(spec))
+    return BiasedExperts(quantized_weight_spec(spec, w.kernel), P(parts[0], parts[2]))
 
 
 def _manual_axes(context) -> tuple[str, ...]:

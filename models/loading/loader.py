@@ -36,6 +36,8 @@ LEAF_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     "embedding": ("weight", lambda w: w),
     "weight": ("weight", lambda w: w),   # norms
     "d2t": ("d2t", lambda w: w),         # EAGLE-3's draft -> target vocabulary offsets
+    # GPT-OSS's attention sinks: a logit per head.
+    "sinks": ("sinks", lambda w: w),
     # DeepSeek-V3's router: the bias its noaux_tc ranking adds to the scores.
     "e_score_correction_bias": ("e_score_correction_bias", lambda w: w),
     # A quantized linear's scales as Hugging Face's fp8 format publishes them ([out blocks,
@@ -300,7 +302,12 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
             def expert_of(path, layer, slot):
                 return slot % E
         requantized = quantized and cfg.quantization.requantized_experts
-        if requantized:  # block fp8 -> per output channel (QuantConfig.requantized_experts)
+        published_mxfp4 = quantized and cfg.quantization.checkpoint_format == "mxfp4"
+        if published_mxfp4:  # GPT-OSS's blocks and scales, read as published
+            def read(layer, slot):
+                return layout.read_mxfp4(ckpt, leaf, start + layer,
+                                         expert_of(path, layer, slot))[part]
+        elif requantized:  # block fp8 -> per output channel (QuantConfig.requantized_experts)
             def read(layer, slot):
                 w = layout.read_dequantized(ckpt, leaf, start + layer,
                                             expert_of(path, layer, slot), cfg.quantization)
@@ -317,6 +324,9 @@ def _source(ckpt: CheckpointReader, cfg: ModelConfig, layout: ExpertLayout | Non
             return layout.tensor(leaf, start + layer, expert_of(path, layer, slot))
 
         tensors = [n for layer in range(shape[0]) for n in layout.tensors(leaf, start + layer)]
+        if published_mxfp4:
+            tensors = [n for layer in range(shape[0])
+                       for n in layout.mxfp4_tensors(leaf, start + layer)]
         if requantized:
             tensors += [layout.scale_tensor(leaf, start + layer, e)
                         for layer in range(shape[0]) for e in range(E)]

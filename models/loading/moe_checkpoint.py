@@ -8,13 +8,17 @@ E]. Checkpoints come in two layouts:
   calls the projections w1 (gate), w3 (up), w2 (down) and its block `block_sparse_moe`;
 - fused, as transformers 5 holds them in memory (and loads them when a checkpoint has them):
   `<block>.experts.gate_up_proj` [E, 2I, D] (gate rows, then up rows) and
-  `<block>.experts.down_proj` [E, D, I]; Mixtral's block is then `mlp`.
+  `<block>.experts.down_proj` [E, D, I]; Mixtral's block is then `mlp`;
+- GPT-OSS's own: fused and stored [in, out], `gate_up_proj` [E, D, 2I] with gate and up columns
+  interleaved (gate even, up odd), `down_proj` [E, I, D], and a bias per expert for each:
+  `gate_up_proj_bias` [E, 2I] (interleaved alike), `down_proj_bias` [E, D].
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from models.quantization import mxfp4
 from models.quantization.linear import dequantize
 
 # our expert leaf -> (per-expert name by architecture, fused tensor, which half of it: 0 gate,
@@ -27,7 +31,14 @@ EXPERT_TENSORS: dict[str, tuple[dict[str, str], str, int | None]] = {
                  **dict.fromkeys(_DEEPSEEK, "up_proj")}, "gate_up_proj", 1),
     "down_proj": ({"Qwen3MoeForCausalLM": "down_proj", "MixtralForCausalLM": "w2",
                    **dict.fromkeys(_DEEPSEEK, "down_proj")}, "down_proj", None),
+    # Biases per expert (GPT-OSS, whose experts are fused only).
+    "gate_proj_bias": ({}, "gate_up_proj_bias", 0),
+    "up_proj_bias": ({}, "gate_up_proj_bias", 1),
+    "down_proj_bias": ({}, "down_proj_bias", None),
 }
+BIAS_SUFFIX = "_bias"  # an expert's bias leaf: `<projection>_bias`
+# Fused experts stored [in, out] with gate and up columns interleaved (transformers' GptOssExperts).
+INTERLEAVED_ARCHITECTURES = ("GptOssForCausalLM",)
 # The MoE block's name in per-expert checkpoints, where it is not ours (`mlp`).
 PER_EXPERT_BLOCK = {"MixtralForCausalLM": "block_sparse_moe"}
 
@@ -47,6 +58,7 @@ class ExpertLayout:
     num_experts: int
     fused: bool
     block: str            # the MoE block's name in the checkpoint: "mlp" or "block_sparse_moe"
+    interleaved: bool = False  # GPT-OSS's fused layout ([in, out], gate/up interleaved)
 
     @classmethod
     def detect(cls, cfg, names) -> "ExpertLayout | None":
@@ -57,8 +69,10 @@ class ExpertLayout:
         names = set(names)
         layer = cfg.moe_layers[0]
         for block in ("mlp", PER_EXPERT_BLOCK.get(cfg.architecture, "mlp")):
-            if f"model.layers.{layer}.{block}.experts.gate_up_proj" in names:
-                return cls(cfg.architecture, cfg.num_experts, True, block)
+            fused = f"model.layers.{layer}.{block}.experts.gate_up_proj"
+            if fused in names or fused + "_blocks" in names:  # float, or MXFP4 as published
+                return cls(cfg.architecture, cfg.num_experts, True, block,
+                           cfg.architecture in INTERLEAVED_ARCHITECTURES)
         return cls(cfg.architecture, cfg.num_experts, False,
                    PER_EXPERT_BLOCK.get(cfg.architecture, "mlp"))
 
@@ -92,6 +106,24 @@ class ExpertLayout:
         scale = np.transpose(ckpt.get(self.scale_tensor(leaf, layer, expert)))
         return dequantize(weight, scale, quant)
 
+    def mxfp4_tensors(self, leaf: str, layer: int) -> list[str]:
+        """The published MXFP4 tensors (`<fused>_blocks`, `<fused>_scales`) of `leaf`."""
+        name = self.tensor(leaf, layer, 0)
+        return [name + "_blocks", name + "_scales"]
+
+    def read_mxfp4(self, ckpt, leaf: str, layer: int, expert: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Expert `expert`'s published MXFP4 `leaf` in `layer` as the model holds it (blocks
+        [in / 2, out], scales [in / 32, out]; models/quantization/mxfp4.py)."""
+        if not self.interleaved:
+            raise ValueError("MXFP4 experts are read in GPT-OSS's layout only")
+        _, _, half = EXPERT_TENSORS[leaf]
+        blocks_name, scales_name = self.mxfp4_tensors(leaf, layer)
+        blocks, scales = ckpt.get(blocks_name, expert), ckpt.get(scales_name, expert)
+        if half is not None:  # gate and up rows interleaved
+            blocks, scales = blocks[half::2], scales[half::2]
+        return mxfp4.from_published(blocks, scales)
+
     def read(self, ckpt, leaf: str, layer: int, expert: int) -> np.ndarray:
         """Expert `expert`'s `leaf` in `layer`, in our [in, out] layout."""
         name = self.tensor(leaf, layer, expert)
@@ -99,6 +131,8 @@ class ExpertLayout:
             return np.transpose(ckpt.get(name))
         _, _, half = EXPERT_TENSORS[leaf]
         w = ckpt.get(name, expert)                                  # [2I, D] or [D, I]
+        if self.interleaved:  # already [in, out] (a bias: [out]); gate even, up odd columns
+            return w if half is None else w[..., half::2]
         if half is not None:
             if w.shape[0] % 2:
                 raise ValueError(f"tensor {name!r} has {w.shape[0]} rows per expert; gate and "

@@ -34,7 +34,12 @@ from models.loading.loader import (
     layout_shape,
     to_checkpoint_layout,
 )
-from models.loading.moe_checkpoint import PER_EXPERT_BLOCK, ExpertLayout, is_expert_param
+from models.loading.moe_checkpoint import (
+    INTERLEAVED_ARCHITECTURES,
+    PER_EXPERT_BLOCK,
+    ExpertLayout,
+    is_expert_param,
+)
 from models.quantization.linear import QuantConfig, dequantize, quantize_weight
 from models.quantization.moe import SCALE_SUFFIX
 
@@ -86,6 +91,10 @@ def build_table(shapes: dict[tuple, tuple], cfg: ModelConfig
             continue
         scale = _scale_path(path, shapes) if quant is not None else None
         if is_expert_param(path):
+            if cfg.architecture in INTERLEAVED_ARCHITECTURES:
+                # GPT-OSS publishes its experts fused and interleaved only: not named here, so a
+                # weight update naming them is refused as an unknown tensor.
+                continue
             table.update(_expert_slots(path, shape, cfg, scale))
             fused.update(_fused_slots(path, shape, cfg))
             continue

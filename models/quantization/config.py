@@ -13,23 +13,25 @@ import numpy as np
 from models.quantization import compressed_tensors
 
 # The `quantization` engine argument (SGLang's name): None, or one of these.
-QUANTIZATION_METHODS = ("int8", "fp8", "w8a8_int8")
+QUANTIZATION_METHODS = ("int8", "fp8", "w8a8_int8", "mxfp4")
 _NOT_IMPLEMENTED = {
     "w8a8_fp8": "XLA:CPU has no fp8 x fp8 dot (it converts both operands to float32), so it "
                 "cannot beat fp8 weight-only here",
 }
 # What a MoE model's expert weights take (weight-only, per output channel:
 # models/quantization/moe.py).
-MOE_METHODS = ("int8", "fp8")
+MOE_METHODS = ("int8", "fp8", "mxfp4")
+# Formats of expert weights only: a MoE model's other projections stay float.
+EXPERT_ONLY_METHODS = ("mxfp4",)
 # Largest magnitudes of the symmetric quantized ranges.
 INT8_MAX = 127.0
 FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 WEIGHT_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
-                 "w8a8_int8": np.dtype(np.int8),
+                 "w8a8_int8": np.dtype(np.int8), "mxfp4": np.dtype(np.uint8),
                  # Read from compressed-tensors checkpoints only (see _NOT_IMPLEMENTED).
                  "w8a8_fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 # Hugging Face `quantization_config.quant_method` values we read as published.
-SUPPORTED_CHECKPOINT_METHODS = ("fp8", compressed_tensors.METHOD)
+SUPPORTED_CHECKPOINT_METHODS = ("fp8", compressed_tensors.METHOD, "mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,12 @@ class QuantConfig:
         return (self.prequantized and self.method == "fp8" and self.block_size is not None
                 and self.checkpoint_format is None)
 
+    @property
+    def dense(self) -> QuantConfig | None:
+        """What the dense projections (attention, dense MLPs) take: None for a format of
+        expert weights only (MXFP4)."""
+        return None if self.method in EXPERT_ONLY_METHODS else self
+
     def scale_shape(self, d_in: int, d_out: int) -> tuple[int, int]:
         """The `weight_scale` shape of a [d_in, d_out] kernel."""
         if self.block_size is None:
@@ -91,6 +99,8 @@ def from_hf_config(quantization_config: dict[str, Any] | None) -> QuantConfig | 
     if method == compressed_tensors.METHOD:
         return QuantConfig(**compressed_tensors.from_config(quantization_config),
                            prequantized=True, checkpoint_format=method)
+    if method == "mxfp4":  # GPT-OSS's published experts (`*_blocks`, `*_scales`)
+        return QuantConfig("mxfp4", prequantized=True, checkpoint_format="mxfp4")
     fmt = quantization_config.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (fp8 weights are "
@@ -128,7 +138,11 @@ def resolve(checkpoint: QuantConfig | None, requested: str | None, is_moe: bool
         return None
     else:
         chosen = QuantConfig(requested)
-    if is_moe and chosen.prequantized and not chosen.requantized_experts:
+    if chosen.method in EXPERT_ONLY_METHODS and not is_moe:
+        raise ValueError(f"quantization {chosen.method!r} is a format of MoE expert weights; "
+                         f"this model has no experts")
+    if (is_moe and chosen.prequantized and not chosen.requantized_experts
+            and chosen.method not in EXPERT_ONLY_METHODS):
         raise ValueError(f"pre-quantized {chosen.method!r} checkpoints of MoE models are not "
                          f"implemented (their expert weights) but in Hugging Face's block fp8 "
                          f"format; quantize a float checkpoint on load instead")

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The formats and their names live in models/quantization/config.py (jax-free); re-exported here.
+from models.quantization import mxfp4
 from models.quantization.config import FP8_E4M3_MAX, INT8_MAX, QuantConfig, from_hf_config  # noqa: F401
 
 
@@ -34,7 +35,10 @@ def quantize_weight(w: np.ndarray, quant: QuantConfig) -> tuple[np.ndarray, np.n
     """A float kernel [in, out] -> (quantized kernel [in, out], float32 scale [1, out]):
     symmetric per output channel, scale = max |w| / qmax (1 for an all-zero channel); int8
     rounds half to even and clips to [-127, 127]; fp8 e4m3 rounds to nearest even after clipping
-    to [-448, 448]."""
+    to [-448, 448]. MXFP4 (expert weights): (blocks, scales) as models/quantization/mxfp4.py
+    holds them."""
+    if quant.method == "mxfp4":
+        return mxfp4.quantize(w)
     if quant.block_size is not None:
         raise ValueError("block-scaled weights are read pre-quantized, not quantized on load")
     w = np.asarray(w, np.float32)

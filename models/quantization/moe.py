@@ -17,6 +17,8 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from models.quantization.mxfp4 import Mxfp4Experts
+
 SCALE_SUFFIX = "_scale"
 
 
@@ -40,7 +42,10 @@ class QuantizedExperts:
 
 def expert_matmul(x, w):
     """x [..., in] @ one expert's weight [in, out] (a float array or `QuantizedExperts`), in
-    x's dtype, accumulated in float32 when quantized."""
+    x's dtype, accumulated in float32 when quantized. MXFP4 weights are dequantised here, one
+    expert's at a time."""
+    if isinstance(w, Mxfp4Experts):
+        return x @ w.dequantize(x.dtype)
     if not isinstance(w, QuantizedExperts):
         return x @ w
     y = lax.dot_general(x, w.kernel, (((x.ndim - 1,), (0,)), ((), ())),
@@ -51,6 +56,10 @@ def expert_matmul(x, w):
 def ragged_matmul(xs, w, group_sizes):
     """`jax.lax.ragged_dot(xs, w, group_sizes)` for float or quantized experts: row r of xs
     [M, in] times the weight of its group; each row's output scaled by its group's scales."""
+    if isinstance(w, Mxfp4Experts):
+        raise NotImplementedError("MXFP4 experts run in the blocked grouped matmul "
+                                  "(moe_grouped_matmul='blocked'): ragged_dot would dequantise "
+                                  "every expert at once")
     if not isinstance(w, QuantizedExperts):
         return lax.ragged_dot(xs, w, group_sizes)
     y = lax.ragged_dot(xs, w.kernel.astype(xs.dtype), group_sizes,
@@ -63,6 +72,8 @@ def ragged_matmul(xs, w, group_sizes):
 
 def weight_spec(spec: P, w):
     """The shard_map in_spec of an expert weight whose kernel takes `spec` [G, in, out]."""
+    if isinstance(w, Mxfp4Experts):  # blocks and scales split as the weight: whole blocks
+        return Mxfp4Experts(spec, spec)
     if not isinstance(w, QuantizedExperts):
         return spec
     parts = tuple(spec) + (None,) * (3 - len(spec))

@@ -271,3 +271,39 @@ PRESETS["tiny-mistral-swa"] = dict(
 )
 PRESETS["tiny-qwen2-swa"] = dict(PRESETS["tiny-qwen2"], num_hidden_layers=3, sliding_window=24,
                                  max_window_layers=1)
+# GPT-OSS (models/gpt_oss.py): attention sinks, biases everywhere, sliding and full layers in
+# turn, YaRN as GPT-OSS configures it (truncate false), experts fused in transformers' layout
+# (models/testing/gpt_oss_checkpoint.py). A window of 16 so ragged requests slide past it; a
+# swiglu_limit of 1 (GPT-OSS: 7) so the clamps bite on random weights. The held-out
+# configuration: other head counts (no GQA), window, expert counts and a sliding last layer.
+PRESETS["tiny-gpt-oss"] = dict(
+    _COMMON,
+    architecture="GptOssForCausalLM",
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    intermediate_size=128,
+    num_local_experts=8,
+    num_experts_per_tok=4,
+    swiglu_limit=1.0,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    rope_form="v5",
+    rope=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+              truncate=False, original_max_position_embeddings=512),
+)
+PRESETS["tiny-gpt-oss-held-out"] = dict(
+    PRESETS["tiny-gpt-oss"], num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+    num_local_experts=6, num_experts_per_tok=3, sliding_window=24, swiglu_limit=1.5,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+# The benchmark's GPT-OSS: the "small" model's width and depth, GPT-OSS's structure.
+PRESETS["small-gpt-oss"] = dict(
+    PRESETS["tiny-gpt-oss"], vocab_size=32000, hidden_size=512, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=4, intermediate_size=256,
+    max_position_embeddings=4096, num_local_experts=16, num_experts_per_tok=4,
+    swiglu_limit=7.0, sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 4)
+# tiny-gpt-oss's weights with MXFP4 experts as GPT-OSS publishes them, and the same weights
+# dequantised (a float checkpoint): the two must give the same logits.
+PRESETS["tiny-gpt-oss-mxfp4"] = dict(PRESETS["tiny-gpt-oss"], expert_format="mxfp4")
+PRESETS["tiny-gpt-oss-mxfp4-dequantized"] = dict(PRESETS["tiny-gpt-oss"],
+                                                 expert_format="mxfp4-dequantized")

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from models.testing import deepseek_checkpoint, gemma_checkpoint
+from models.testing import deepseek_checkpoint, gemma_checkpoint, gpt_oss_checkpoint
 from models.config import POOLING_ARCHITECTURES
 from models.testing.pooling_files import pooling_config_entries, write_pooling_files
 from models.testing.presets import PRESETS
@@ -51,6 +51,7 @@ _MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     **gemma_checkpoint.ARCHITECTURES,
+    "GptOssForCausalLM": "gpt_oss",
 }
 # A pooling model's checkpoint has its decoder family's model type.
 _MODEL_TYPES.update({arch: _MODEL_TYPES[family]
@@ -73,6 +74,7 @@ RESIDUAL_WRITE_SCALE = 8.0
 LOGIT_STD = 6.0
 NORM_JITTER = 0.1
 BIAS_STD = 0.1
+SINK_STD = 1.0
 
 _MARKER = ".checkpoint-complete"
 
@@ -198,6 +200,8 @@ def _hf_config(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
         config.update(mask_token_id=spec["mask_token_id"], block_size=spec["block_size"])
     if arch in deepseek_checkpoint.ARCHITECTURES:
         config = deepseek_checkpoint.family_config(spec, config)
+    if arch in gpt_oss_checkpoint.ARCHITECTURES:
+        config = gpt_oss_checkpoint.family_config(spec, config)
     if arch == "MixtralForCausalLM":
         config.update(num_local_experts=spec["num_experts"],
                       num_experts_per_tok=spec["num_experts_per_tok"], router_jitter_noise=0.0,
@@ -256,6 +260,8 @@ def tensor_shapes(spec: dict[str, Any], fused: bool | None = None) -> dict[str, 
     arch = spec["architecture"]
     if arch in deepseek_checkpoint.ARCHITECTURES:
         return deepseek_checkpoint.tensor_shapes(spec)
+    if arch in gpt_oss_checkpoint.ARCHITECTURES:
+        return gpt_oss_checkpoint.tensor_shapes(spec)
     d, f, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
     hd, nh, nkv = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"]
     arch, head = POOLING_ARCHITECTURES.get(arch, (arch, "lm"))
@@ -323,8 +329,10 @@ def _init_values(name: str, shape: tuple[int, ...], seed: int,
     x = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("norm.weight"):
         return 1.0 + NORM_JITTER * x
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_proj_bias")):  # GPT-OSS's experts' biases: "_proj_bias"
         return BIAS_STD * x
+    if name.endswith(".sinks"):  # GPT-OSS's attention sinks: about the logits' own scale
+        return SINK_STD * x
     if name == "model.embed_tokens.weight" or name.endswith(".embed_tokens.weight"):
         return EMBED_STD * x
     if name.endswith("e_score_correction_bias"):
@@ -332,9 +340,9 @@ def _init_values(name: str, shape: tuple[int, ...], seed: int,
     fan_in = shape[1]
     if name in ("lm_head.weight", "score.weight") or name.endswith("shared_head.head.weight"):
         return (LOGIT_STD / np.sqrt(fan_in)) * x
-    if name.endswith("gate.weight"):  # a MoE router
+    if name.endswith(("gate.weight", "router.weight")):  # a MoE router
         return (ROUTER_STD / np.sqrt(fan_in)) * x
-    residual_writes = ("o_proj.weight", "down_proj.weight", ".w2.weight")
+    residual_writes = ("o_proj.weight", "down_proj.weight", ".w2.weight", "experts.down_proj")
     scale = residual_write_scale if name.endswith(residual_writes) else 1.0
     return (scale / np.sqrt(fan_in)) * x
 
@@ -346,6 +354,14 @@ def _write_weights(
     names = list(shapes)
     groups = _split_by_size(names, shapes, shards)
     metadata = {"format": "pt"}  # HF expects this key when loading with torch
+    if spec.get("expert_format") is not None:  # GPT-OSS's MXFP4 experts, or them dequantised
+        if shards != 1:
+            raise ValueError("an MXFP4 preset is written as one file (shards=1)")
+        scale = spec.get("residual_write_scale", RESIDUAL_WRITE_SCALE)
+        values = {n: _init_tensor(n, s, seed, scale) for n, s in shapes.items()}
+        save_file(gpt_oss_checkpoint.expert_format_tensors(spec, values, dtype),
+                  out / "model.safetensors", metadata=metadata)
+        return
     if spec.get("expert_layout") == "fused":
         if shards != 1:
             raise ValueError("a fused-expert preset is written as one file (shards=1)")

@@ -1,7 +1,7 @@
 """The attention kernel configurations the engine can ask for, as one table of rows.
 
 Each row is a `KernelConfig` (head_dim, page size, GQA group, dtypes, KV heads, and the options:
-window, soft cap, 8-bit KV, per-token KV bound, draft-tree mask); `specs(shape)` gives the
+window, soft cap, 8-bit KV, per-token KV bound, draft-tree mask, attention sinks); `specs(shape)` gives the
 kernel's arguments as ShapeDtypeStructs at a named batch shape. tests/lowering lowers every row
 for TPU and CUDA and compiles it with the real TPU and GPU compilers
 (tests/lowering/test_kernel_compile.py); a new kernel option is a new field and a few rows.
@@ -31,6 +31,7 @@ class KernelConfig:
     kv_dtype: str | None = None  # an 8-bit cache (q stays in `dtype`)
     bounded: bool = False  # a per-token kv_bound (block-diffusion steps)
     tree_words: int = 0  # a draft tree's kv_tree_mask of this many words per token (0: none)
+    sinks: bool = False  # an attention-sink logit per query head (GPT-OSS)
     context: int = CONTEXT
 
     def __str__(self):
@@ -39,6 +40,7 @@ class KernelConfig:
             f"-kv-{self.kv_dtype}" if self.kv_dtype else "") + (
             "-bound" if self.bounded else "") + (
             f"-tree{self.tree_words}" if self.tree_words else "") + (
+            "-sinks" if self.sinks else "") + (
             f"-ctx{self.context}" if self.context != CONTEXT else "")
         return (f"d{self.head_dim}-ps{self.page_size}-g{self.group}-kvh{self.num_kv_heads}-"
                 f"{self.dtype}{extra}")
@@ -61,13 +63,17 @@ class KernelConfig:
                 spec((num_seqs + 1,), i32),
                 spec((1,), i32)) + (
                     (spec((num_tokens,), i32),) if self.bounded else ()) + (
-                    (spec((num_tokens, self.tree_words), i32),) if self.tree_words else ())
+                    (spec((num_tokens, self.tree_words), i32),) if self.tree_words else ()) + (
+                    (spec((self.num_kv_heads * self.group,), jnp.float32),) if self.sinks else ())
 
     def kernel(self, fn):
-        return lambda *args: fn(*args[:6], kv_bound=args[6] if self.bounded else None,
-                                kv_tree_mask=args[-1] if self.tree_words else None,
-                                sm_scale=self.head_dim ** -0.5,
-                                sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+        def call(*args):
+            options, sinks = (args[6:-1], args[-1]) if self.sinks else (args[6:], None)
+            return fn(*args[:6], kv_bound=options[0] if self.bounded else None,
+                      kv_tree_mask=options[-1] if self.tree_words else None, sinks=sinks,
+                      sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
+                      soft_cap=self.soft_cap)
+        return call
 
 
 HEAD_DIMS = (64, 128)
@@ -96,4 +102,6 @@ CONFIGS = [KernelConfig(*c) for c in itertools.product(HEAD_DIMS, PAGE_SIZES, GR
     KernelConfig(256, 16, 2, "float32", kv_dtype="float8_e4m3fn"),
     # Llama-3-70B / Qwen3-32B-like per-shard heads at TP 1: 8 KV heads of 128, 64 query heads.
     KernelConfig(128, 16, 8, "bfloat16", num_kv_heads=8),
+    # GPT-OSS-20B-like: 64 query heads of 64 over 8 KV heads, attention sinks, a 128 window.
+    KernelConfig(64, 16, 8, "bfloat16", num_kv_heads=8, sliding_window=128, sinks=True),
 ]

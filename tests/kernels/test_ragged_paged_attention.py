@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
+from kernels_pallas import ragged_paged_attention
 from tests.support.attention import PALLAS_KERNELS, SMALL_BLOCKS, kernel_runs
-from tests.support.ragged_cases import Case, make_inputs, tolerance
+from tests.support.ragged_cases import Case, assert_matches_reference, make_inputs
 
 KERNEL_CASES = [
     Case(seqs=((1, 5), (1, 40), (1, 17), (1, 64))),  # decode only, MHA
@@ -42,23 +42,13 @@ KERNEL_CASES = [
 ]
 
 
-def _assert_matches_reference(case, inputs, out):
-    expected = ragged_paged_attention_reference(*inputs.args, **inputs.kwargs)
-    n = inputs.num_real_tokens
-    out = np.asarray(out.astype(np.float32))
-    assert np.isfinite(out).all(), "NaN/inf in the output (padded rows included)"
-    tol = tolerance(case.dtype)
-    np.testing.assert_allclose(out[:n], np.asarray(expected[:n].astype(np.float32)),
-                               atol=tol, rtol=tol)
-
-
 @pytest.mark.parametrize("backend, interpret", kernel_runs())
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_kernel_matches_reference_small_blocks(case, backend, interpret):
     inputs = make_inputs(case, seed=7)
     out = PALLAS_KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
                                   interpret=interpret)
-    _assert_matches_reference(case, inputs, out)
+    assert_matches_reference(case, inputs, out)
 
 
 @pytest.mark.parametrize("backend, interpret", kernel_runs())
@@ -68,7 +58,7 @@ def test_kernel_matches_reference_tuned_blocks(case, backend, interpret):
     inputs = make_inputs(case, seed=3)
     out = ragged_paged_attention(*inputs.args, **inputs.kwargs, backend=backend,
                                  interpret=interpret)
-    _assert_matches_reference(case, inputs, out)
+    assert_matches_reference(case, inputs, out)
 
 
 @pytest.mark.parametrize("backend, interpret", kernel_runs())
@@ -103,4 +93,4 @@ def test_kernel_matches_reference_random_batches(seed, backend, interpret):
     inputs = make_inputs(case, seed=seed)
     out = PALLAS_KERNELS[backend](*inputs.args, **inputs.kwargs, block_sizes=SMALL_BLOCKS[backend],
                                   interpret=interpret)
-    _assert_matches_reference(case, inputs, out)
+    assert_matches_reference(case, inputs, out)

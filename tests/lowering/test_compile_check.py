@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from jaxrunner.cli import main
-from kernels_pallas.targets import TPU_V5E
+from kernels_pallas.targets import TPU_V5E, TPU_V7X
 from models.testing.random_checkpoint import hf_config
 from tests.lowering.compile_cache import skip_without_compiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from model_configs import LLAMA3_70B  # noqa: E402 (after the path above)
+from model_configs import GPT_OSS_120B, LLAMA3_70B  # noqa: E402 (after the path above)
 
 # Few buckets: the check compiles every program start-up would.
 SMALL = ["--max-running-requests", "2", "--max-prefill-tokens", "32", "--context-length", "256",
@@ -62,6 +62,21 @@ def test_a_model_too_large_for_the_slice_gets_advice_not_a_crash(tmp_path, capsy
     assert result["per_device"]["weights_bytes"] > result["per_device"]["hbm_bytes"]
     assert "more chips" in result["advice"] and "--quantization" in result["advice"]
     assert "fits: no" in capsys.readouterr().out
+
+
+def test_gpt_oss_120b_experts_take_4_25_bits_per_weight(tmp_path, capsys):
+    """gpt-oss-120b as published (MXFP4 experts) on one v7x chip (TP 2 over its two cores): the
+    check reports its experts held 4-bit with their block scales, 4.25 bits per weight, and
+    the weights in a third of each core's HBM."""
+    skip_without_compiler(TPU_V7X)
+    model = _model_dir(tmp_path, GPT_OSS_120B)
+    out = tmp_path / "check.json"
+    _check(["--model-path", model, "--target", "v7x-1", *SMALL, "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert abs(result["expert_bits_per_weight"] - 4.25) < 0.05 * 4.25
+    per = result["per_device"]
+    assert per["weights_bytes"] < per["hbm_bytes"] / 3
+    assert "experts: 4.25 bits per weight" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -35,7 +35,7 @@ def _gpu_key(config: KernelConfig) -> tuple:
     """What the GPU kernel's program follows: its blocks and shared memory come from head_dim
     and the dtypes, its code from the options; page size, group and KV heads only scale it."""
     return (config.head_dim, config.dtype, config.kv_dtype, config.sliding_window is not None,
-            config.soft_cap is not None, config.bounded, config.tree_words > 0)
+            config.soft_cap is not None, config.bounded, config.tree_words > 0, config.sinks)
 
 
 def _rows():

@@ -31,8 +31,9 @@ def kernel_runs():
             pytest.param("gpu", True, id="gpu-interpret")]
 
 
-def dense_attention(q, k, v, q_pos, kv_len, scale, window=None, soft_cap=None):
-    """One sequence: q [Q, H, D] at positions q_pos, k/v [kv_len, K, D]."""
+def dense_attention(q, k, v, q_pos, kv_len, scale, window=None, soft_cap=None, sinks=None):
+    """One sequence: q [Q, H, D] at positions q_pos, k/v [kv_len, K, D]; `sinks` [H]: a logit
+    per head in the softmax's denominator only."""
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     s = np.einsum("qhd,khd->hqk", q, k) * scale
@@ -43,9 +44,12 @@ def dense_attention(q, k, v, q_pos, kv_len, scale, window=None, soft_cap=None):
     if window is not None:
         mask &= kpos[None, :] > q_pos[:, None] - window
     s = np.where(mask[None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", p, v)
+    row_max = s.max(-1, keepdims=True)
+    p = np.exp(s - row_max)
+    denom = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(np.asarray(sinks)[:, None, None] - row_max)
+    return np.einsum("hqk,khd->qhd", p / denom, v)
 
 
 def make_batch(rng, prefix_lens, new_lens, cfg, num_pages, T, R, max_pages):

@@ -83,3 +83,70 @@ def hf_greedy_tokens(path, prompts, n: int) -> list[list[int]]:
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
             outs.append(ids[len(prompt):])
     return outs
+
+
+def hf_float32(path):
+    """transformers' model of a checkpoint in float32, on one torch thread: on a busy 2-core
+    machine torch's thread pool spins against the other processes and HF's generate runs 20x
+    slower than single-threaded."""
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def assert_greedy_matches_hf_generate(engine, hf, prompts, max_new_tokens: int):
+    """Our greedy tokens for `prompts` (one generate call) are HF `generate`'s; returns ours."""
+    outs = engine.generate(input_ids=prompts, sampling_params={
+        "max_new_tokens": max_new_tokens, "temperature": 0.0})
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                               do_sample=False)
+        assert out["output_ids"] == want[0, len(prompt):].tolist(), f"{len(prompt)} tokens"
+    return outs
+
+
+def hf_router_counts(hf, routers, sequences, num_experts: int) -> np.ndarray:
+    """[len(routers), num_experts]: how often each of HF's router modules (whose outputs hold
+    the chosen experts third: (logits, weights, indices)) picks each expert over the tokens of
+    `sequences`."""
+    picked = [[] for _ in routers]
+    hooks = [router.register_forward_hook(lambda m, i, out, k=k: picked[k].append(out[2]))
+             for k, router in enumerate(routers)]
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                hf(torch.tensor([seq]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return np.stack([np.bincount(torch.cat(p).numpy().ravel(), minlength=num_experts)
+                     for p in picked])
+
+
+# A serving workload for parity tests: 16 ragged requests, several past a 64-token prefill chunk,
+# three sharing their first 48 tokens with another (request i with request j), served with the
+# radix cache and chunked prefill on.
+RAGGED_REQUEST_LENS = [3, 150, 17, 90, 1, 65, 40, 120, 8, 33, 100, 5, 70, 12, 128, 48]
+SHARED_PREFIXES = {4: 1, 9: 7, 13: 10}
+RAGGED_ENGINE = dict(max_running_requests=8, max_prefill_tokens=128, chunked_prefill_size=64)
+
+
+def ragged_requests(vocab_size: int, seed: int = 1) -> list[list[int]]:
+    """The workload's prompts."""
+    prompts = prompts_of_lengths(vocab_size, RAGGED_REQUEST_LENS, seed=seed)
+    for i, j in SHARED_PREFIXES.items():
+        prompts[i] = prompts[j][:48] + prompts[i]
+    return prompts
+
+
+def assert_ragged_requests_match_hf_generate(engine, hf, prompts, max_new_tokens: int = 32):
+    """`ragged_requests` served (an engine of RAGGED_ENGINE) give HF generate's greedy tokens
+    with no compile after warm-up, the radix cache serving the shared prefixes, and every page
+    free once the cache is flushed; returns the outputs."""
+    compiles = engine.compile_monitor.count
+    outs = assert_greedy_matches_hf_generate(engine, hf, prompts, max_new_tokens)
+    assert engine.compile_monitor.count == compiles
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) >= 48  # the radix cache served
+    assert engine.flush_cache()
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity
+    return outs

@@ -11,6 +11,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import ragged_paged_attention_reference
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -30,6 +32,7 @@ class Case:
     # of B positions), or "random" (any bound in [1, kv_len], above or below the causal one).
     bound: str | None = None
     kv_dtype: str | None = None  # the cache's dtype when it differs from q's (fp8)
+    sinks: bool = False  # a random attention-sink logit per query head (GPT-OSS)
 
     def __str__(self):
         fields = [f"seqs{list(self.seqs)}", f"kvh{self.num_kv_heads}", f"g{self.group}",
@@ -42,6 +45,8 @@ class Case:
             fields.append(f"bound-{self.bound}")
         if self.kv_dtype:
             fields.append(f"kv-{self.kv_dtype}")
+        if self.sinks:
+            fields.append("sinks")
         return "-".join(fields).replace(" ", "")
 
 
@@ -104,6 +109,9 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
             jnp.asarray([len(case.seqs)], jnp.int32))
     kwargs = dict(sm_scale=head_dim ** -0.5, sliding_window=case.sliding_window,
                   soft_cap=case.soft_cap)
+    if case.sinks:
+        # Around the logits' own scale, so the sink takes a real share of some rows, not all.
+        kwargs["sinks"] = jnp.asarray(rng.uniform(-2.0, 3.0, num_q_heads).astype(np.float32))
     bounds = None
     if case.bound is not None:
         bounds = [_bounds(case.bound, q_len, kv_len, rng) for q_len, kv_len in case.seqs]
@@ -144,11 +152,28 @@ def naive_attention(case: Case, inputs: Inputs) -> np.ndarray:
         if case.sliding_window:
             visible &= k_pos > q_pos - case.sliding_window
         logits = np.where(visible, logits, -np.inf)
-        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
+        row_max = logits.max(axis=-1, keepdims=True)
+        probs = np.exp(logits - row_max)
+        denom = probs.sum(axis=-1, keepdims=True)
+        if "sinks" in inputs.kwargs:  # [H] logits in the denominator only
+            sinks = np.asarray(inputs.kwargs["sinks"], np.float64)[:, None, None]
+            denom = denom + np.exp(sinks - row_max)
+        probs /= denom
         out.append(np.einsum("hqk,khd->qhd", probs, v))
     return np.concatenate(out)
 
 
 def tolerance(dtype: str) -> float:
     return {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+
+
+def assert_matches_reference(case: Case, inputs: Inputs, out) -> None:
+    """A kernel's output `out` is finite everywhere (padded rows included) and, on the real
+    tokens, the jnp reference's within the case dtype's tolerance."""
+    expected = ragged_paged_attention_reference(*inputs.args, **inputs.kwargs)
+    n = inputs.num_real_tokens
+    out = np.asarray(out.astype(np.float32))
+    assert np.isfinite(out).all(), "NaN/inf in the output (padded rows included)"
+    tol = tolerance(case.dtype)
+    np.testing.assert_allclose(out[:n], np.asarray(expected[:n].astype(np.float32)),
+                               atol=tol, rtol=tol)

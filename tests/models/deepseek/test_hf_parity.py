@@ -11,19 +11,21 @@ greedy tokens, in engines sized to those tests alone.
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from jaxrunner import Engine
 from jaxrunner.batch.forward_mode import ForwardMode
 from tests.support.engine import assert_no_kv_cache_copy
-from tests.support.parity import assert_prefill_logits_match
+from tests.support.parity import (
+    RAGGED_ENGINE,
+    assert_greedy_matches_hf_generate,
+    assert_prefill_logits_match,
+    assert_ragged_requests_match_hf_generate,
+    hf_float32,
+    hf_router_counts,
+    ragged_requests,
+)
 
 LOGIT_PROMPT_LENS = [1, 7, 16, 33, 64]   # one prefill bucket of 128 tokens
-# 16 requests: ragged, several past the 64-token chunk, three sharing a prefix with another.
-GENERATE_PROMPT_LENS = [3, 150, 17, 90, 1, 65, 40, 120, 8, 33, 100, 5, 70, 12, 128, 48]
-SHARED_PREFIX = {4: 1, 9: 7, 13: 10}     # request i starts with request j's first 48 tokens
-ENGINE = dict(max_running_requests=8, max_prefill_tokens=128, chunked_prefill_size=64)
 
 
 def _prompts(lens, vocab_size, seed):
@@ -31,30 +33,12 @@ def _prompts(lens, vocab_size, seed):
     return [rng.integers(3, vocab_size, size=n).tolist() for n in lens]
 
 
-def _hf(path):
-    # One torch thread: on a busy 2-core machine torch's thread pool spins against the other
-    # processes and HF's generate runs 20x slower than single-threaded.
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module", params=["tiny-deepseek-v2", "tiny-deepseek-v3"])
 def models(request, checkpoint, engine_kwargs):
     path = checkpoint(request.param)
-    engine = Engine(model_path=str(path), **dict(engine_kwargs, **ENGINE))
-    yield engine, _hf(path)
+    engine = Engine(model_path=str(path), **dict(engine_kwargs, **RAGGED_ENGINE))
+    yield engine, hf_float32(path)
     engine.shutdown()
-
-
-def _assert_greedy_matches(engine, hf, prompts, max_new_tokens):
-    outs = engine.generate(input_ids=prompts, sampling_params={
-        "max_new_tokens": max_new_tokens, "temperature": 0.0})
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                               do_sample=False)
-        assert out["output_ids"] == want[0, len(prompt):].tolist(), f"{len(prompt)} tokens"
-    return outs
 
 
 def test_prefill_logits_match_hf(models):
@@ -65,15 +49,8 @@ def test_prefill_logits_match_hf(models):
 
 def test_greedy_tokens_of_16_ragged_requests_match_hf_generate(models):
     engine, hf = models
-    prompts = _prompts(GENERATE_PROMPT_LENS, engine.model_config.vocab_size, seed=1)
-    for i, j in SHARED_PREFIX.items():
-        prompts[i] = prompts[j][:48] + prompts[i]
-    compiles = engine.compile_monitor.count
-    outs = _assert_greedy_matches(engine, hf, prompts, 32)
-    assert engine.compile_monitor.count == compiles
-    assert sum(o["meta_info"]["cached_tokens"] for o in outs) >= 48  # the radix cache served
-    assert engine.flush_cache()
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity
+    assert_ragged_requests_match_hf_generate(
+        engine, hf, ragged_requests(engine.model_config.vocab_size))
 
 
 def test_steps_read_the_latent_cache_in_place(models):
@@ -93,25 +70,6 @@ def test_steps_read_the_latent_cache_in_place(models):
     assert_no_kv_cache_copy(runner)
 
 
-def _hf_router_counts(hf, sequences) -> np.ndarray:
-    """[MoE layers, E]: how often HF's routers pick each expert over the tokens of
-    `sequences` (its gates return (logits, weights, expert indices))."""
-    gates = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
-    picked = [[] for _ in gates]
-    hooks = [gate.register_forward_hook(lambda m, i, out, k=k: picked[k].append(out[2]))
-             for k, gate in enumerate(gates)]
-    try:
-        with torch.no_grad():
-            for seq in sequences:
-                hf(torch.tensor([seq]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    experts = hf.config.n_routed_experts
-    return np.stack([np.bincount(torch.cat(p).numpy().ravel(), minlength=experts)
-                     for p in picked])
-
-
 def test_recorded_expert_counts_equal_hf_router_counts(models):
     engine, hf = models
     prompts = _prompts([9, 40, 23], engine.model_config.vocab_size, seed=2)
@@ -124,7 +82,10 @@ def test_recorded_expert_counts_equal_hf_router_counts(models):
     computed = [p + o["output_ids"][:-1] for p, o in zip(prompts, outs)]
     assert record["moe_layers"] == list(engine.model_config.moe_layers)
     np.testing.assert_array_equal(np.array(record["logical_count"]),
-                                  _hf_router_counts(hf, computed))
+                                  hf_router_counts(hf, [layer.mlp.gate for layer in
+                                                        hf.model.layers
+                                                        if hasattr(layer.mlp, "gate")],
+                                                   computed, hf.config.n_routed_experts))
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek-v2-groups", "tiny-deepseek-v3-dense2"])
@@ -133,9 +94,9 @@ def test_other_configurations_match_hf(preset, checkpoint, engine_kwargs):
     engine = Engine(model_path=str(path), **dict(engine_kwargs, max_running_requests=2,
                                                  max_prefill_tokens=128))
     try:
-        hf = _hf(path)
+        hf = hf_float32(path)
         vocab = engine.model_config.vocab_size
         assert_prefill_logits_match(engine, hf, _prompts([7, 90], vocab, seed=3))  # 2 requests a step
-        _assert_greedy_matches(engine, hf, _prompts([6, 45], vocab, seed=4), 12)
+        assert_greedy_matches_hf_generate(engine, hf, _prompts([6, 45], vocab, seed=4), 12)
     finally:
         engine.shutdown()
