@@ -56,6 +56,10 @@ _GPU_TABLE = {
     ("bfloat16", 256, True): (16, 32, 8),
 }
 
+# Shared memory the GPU kernel's pipelined K and V tiles may take (H100 and H200 give a block
+# 227 KiB; the rest is the query block, the scores and Triton's own).
+_GPU_KV_TILE_BYTES = 128 * 1024
+
 # Cap for the two KV DMA buffers of the TPU kernel (scoped VMEM is 16-32 MiB by default).
 _TPU_KV_BUFFER_BYTES = 8 * 1024 * 1024
 _TPU_GENERATIONS = (("v5 lite", "v5e"), ("v5e", "v5e"), ("v6", "v6e"), ("v5", "v5p"),
@@ -165,6 +169,12 @@ def gpu_block_sizes(*, dtype, head_dim: int, page_size: int, group_padded: int, 
     if not decode_only:
         q_tokens = min(q_tokens, _next_power_of_2(num_tokens))
     q_tokens = max(q_tokens, _next_power_of_2(-(-16 // group_padded)))
+    # The table's KV blocks are for 2-byte KV: wider elements shrink the block so that the
+    # pipelined K and V tiles stay within the shared memory budget (float32 at head_dim 256
+    # with 64 tokens asked H100 for 272 KiB of its 227).
+    tile_bytes = 2 * GpuBlockSizes.num_stages * head_dim * jax.numpy.dtype(dtype).itemsize
+    while kv_tokens > 16 and kv_tokens * tile_bytes > _GPU_KV_TILE_BYTES:
+        kv_tokens //= 2
     kv_pages = min(_next_power_of_2(max(1, kv_tokens // page_size)),
                    _next_power_of_2(pages_per_seq))
     # Flash decoding: split long KV so that decode batches still fill the GPU; about 4 steps each.
