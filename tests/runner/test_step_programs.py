@@ -56,7 +56,7 @@ def test_a_batch_runs_its_modes_program_and_mixed_runs_as_extend():
     ((), ForwardMode.TARGET_VERIFY, "TARGET_VERIFY runs only on the target of speculative "
                                     "decoding \\(speculative_algorithm\\)"),
     ((), ForwardMode.DLLM_EXTEND, "DLLM_EXTEND runs only for a block-diffusion LM"),
-    ((), ForwardMode.DRAFT_EXTEND, "DRAFT_EXTEND runs only on an EAGLE draft head's runner"),
+    ((), ForwardMode.DRAFT_EXTEND, "DRAFT_EXTEND runs only on a draft head's runner"),
     ((), ForwardMode.SPLIT_PREFILL, "SPLIT_PREFILL needs the engine argument "
                                     "enable_split_prefill"),
     ((), ForwardMode.IDLE, "IDLE has no step of its own"),

@@ -139,7 +139,11 @@ def test_no_compile_after_warmup(quantized_moe):
 def test_moe_refusals_named():
     with pytest.raises(ValueError, match="'w8a8_int8' is not implemented for MoE expert"):
         resolve(None, "w8a8_int8", is_moe=True)
+    # Hugging Face's block fp8 (DeepSeek-V3's, Qwen3's FP8) is read and requantized per channel;
+    # a per-channel pre-quantized fp8 checkpoint of a MoE model is not.
     block = QuantConfig("fp8", block_size=(128, 128), prequantized=True)
+    assert resolve(block, None, is_moe=True) == block
+    channel = QuantConfig("fp8", prequantized=True)
     with pytest.raises(ValueError, match="pre-quantized 'fp8' checkpoints of MoE models"):
-        resolve(block, None, is_moe=True)
+        resolve(channel, None, is_moe=True)
     assert resolve(None, "int8", is_moe=True) == QuantConfig("int8")
