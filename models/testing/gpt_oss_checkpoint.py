@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from models.quantization import mxfp4
+from models.testing import harmony
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 _FAMILY_KEYS = ("num_local_experts", "num_experts_per_tok", "swiglu_limit", "sliding_window",
@@ -24,9 +25,11 @@ _FAMILY_KEYS = ("num_local_experts", "num_experts_per_tok", "swiglu_limit", "sli
 
 
 def family_config(spec: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """The common config entries `config` with a GPT-OSS preset's own."""
+    """The common config entries `config` with a GPT-OSS preset's own (the special token ids
+    are the harmony tokens', as GPT-OSS's)."""
     config = dict(config, attention_bias=True, router_aux_loss_coef=0.001,
-                  output_router_logits=False, swiglu_alpha=1.702)
+                  output_router_logits=False, swiglu_alpha=1.702,
+                  **harmony.config_entries(spec["vocab_size"]))
     config.update({k: spec[k] for k in _FAMILY_KEYS})
     if spec.get("expert_format") == "mxfp4":
         config["quantization_config"] = {

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from models.testing import deepseek_checkpoint, gemma_checkpoint, gpt_oss_checkpoint
+from models.testing import deepseek_checkpoint, gemma_checkpoint, gpt_oss_checkpoint, harmony
 from models.config import POOLING_ARCHITECTURES
 from models.testing.pooling_files import pooling_config_entries, write_pooling_files
 from models.testing.presets import PRESETS
@@ -101,10 +101,13 @@ def make_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = train_tokenizer(spec["vocab_size"])
+    with_harmony = spec["architecture"] in gpt_oss_checkpoint.ARCHITECTURES
+    tokenizer = train_tokenizer(spec["vocab_size"], with_harmony)
     write_json(out / "config.json", _hf_config(spec, dtype))
-    write_json(out / "generation_config.json", _generation_config())
-    write_tokenizer(out, tokenizer, spec["max_position_embeddings"])
+    write_json(out / "generation_config.json",
+               harmony.generation_config(spec["vocab_size"]) if with_harmony
+               else _generation_config())
+    write_tokenizer(out, tokenizer, spec["max_position_embeddings"], with_harmony)
     write_pooling_files(out, spec)
     np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
     _write_weights(out, spec, seed, np_dtype, shards)

@@ -22,6 +22,8 @@ from tokenizers import (
     trainers,
 )
 
+from models.testing import harmony
+
 PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
@@ -96,35 +98,50 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     return tokenizer.to_str()
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE with at most vocab_size tokens (fewer if the corpus runs out of merges)."""
-    tokenizer = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+def train_tokenizer(vocab_size: int, with_harmony: bool = False) -> Tokenizer:
+    """Byte-level BPE with at most vocab_size tokens (fewer if the corpus runs out of merges);
+    `with_harmony`: the harmony tokens take the last ids (trained with that many fewer)."""
+    trained = vocab_size - len(harmony.HARMONY_TOKENS) if with_harmony else vocab_size
+    tokenizer = Tokenizer.from_str(_trained_tokenizer_json(trained))
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    if with_harmony:
+        harmony.add_tokens(tokenizer, vocab_size)
     return tokenizer
 
 
-def write_tokenizer(out: Path, tokenizer: Tokenizer, max_length: int) -> None:
+def write_tokenizer(out: Path, tokenizer: Tokenizer, max_length: int,
+                    with_harmony: bool = False) -> None:
+    """tokenizer.json and its configuration; `with_harmony` (GPT-OSS): the harmony tokens are
+    the special ones (BOS, EOS and PAD in GPT-OSS's roles) and the template is harmony's."""
     tokenizer.save(str(out / "tokenizer.json"))
+    specials = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    extra = [IM_START, IM_END]
+    bos, eos, pad, template = BOS, EOS, PAD, CHAT_TEMPLATE
+    if with_harmony:
+        specials.update({tok: tokenizer.token_to_id(tok) for tok in harmony.HARMONY_TOKENS})
+        extra += [t for t in harmony.HARMONY_TOKENS if t not in (harmony.BOS, harmony.EOS,
+                                                                 harmony.PAD)]
+        bos, eos, pad, template = harmony.BOS, harmony.EOS, harmony.PAD, harmony.CHAT_TEMPLATE
     added = {
         str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
-        for i, tok in enumerate(SPECIAL_TOKENS)
+        for tok, i in specials.items()
     }
     write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
         "unk_token": None,
-        "additional_special_tokens": [IM_START, IM_END],
+        "additional_special_tokens": extra,
         "added_tokens_decoder": added,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
     })
     write_json(out / "special_tokens_map.json", {
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "additional_special_tokens": extra,
     })
