@@ -22,7 +22,7 @@ from jaxrunner.config import EngineArgs
 from jaxrunner.engine.base import ServingEngine
 from jaxrunner.engine.engine import Engine
 from jaxrunner.engine.lockstep import LockstepEngine
-from jaxrunner.server import reasoning, tool_calls
+from jaxrunner.server import harmony, reasoning, tool_calls
 from jaxrunner.server.app import MAX_PAYLOAD_SIZE, build_app
 
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=30000)
@@ -97,11 +97,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "checkpoints whose tokenizer has none or to replace it")
     parser.add_argument("--max-payload-size", type=int, default=MAX_PAYLOAD_SIZE,
                         help="the largest request body in bytes; larger ones get 413")
-    parser.add_argument("--tool-call-parser", default=None, choices=tool_calls.PARSERS,
+    parser.add_argument("--tool-call-parser", default=None,
+                        choices=tool_calls.PARSERS + (harmony.NAME,),
                         help="how tool calls are read from the output (tool_choice='auto'); "
-                             "default: inferred from the chat template or the architecture")
-    parser.add_argument("--reasoning-parser", default=None, choices=reasoning.PARSERS,
-                        help="split <think> reasoning into reasoning_content")
+                             "default: inferred from the chat template or the architecture "
+                             "(gpt-oss: the harmony format's commentary channel)")
+    parser.add_argument("--reasoning-parser", default=None,
+                        choices=reasoning.PARSERS + (harmony.NAME,),
+                        help="split <think> reasoning into reasoning_content (gpt-oss: the "
+                             "harmony format's channels, the default for GPT-OSS checkpoints)")
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="refuse (400) request fields neither OpenAI's nor SGLang's API "
                              "defines; default: accept them and log a warning once per field")

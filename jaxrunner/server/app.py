@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxrunner.engine.base import ServingEngine
-from jaxrunner.server import (chat_api, gateway_api, lifecycle_api, native_api, openai_api,
-                              pooling_api, reasoning, responses_api, tool_calls)
+from jaxrunner.server import (chat_api, gateway_api, harmony, lifecycle_api, native_api,
+                              openai_api, pooling_api, reasoning, responses_api, tool_calls)
 from jaxrunner.server.chat_protocol import ChatCompletionRequest
 from jaxrunner.server.chat_templates import load_chat_template
 from jaxrunner.server.engine_loop import EngineLoop, QueueFullError
@@ -39,6 +39,30 @@ VERSION = "0.1.0"
 MAX_PAYLOAD_SIZE = 32 * 2**20
 
 
+def _harmony_tokens(engine: ServingEngine, tool_call_parser: str | None,
+                    reasoning_parser: str | None) -> harmony.HarmonyTokens | None:
+    """The harmony tokens when the output is to be read as harmony: asked for by either parser
+    (refused, naming the flag, for a tokenizer without them, or beside another parser), or by
+    default for a GPT-OSS architecture whose tokenizer has them."""
+    asked = [f"--{flag} {value}" for flag, value in (("reasoning-parser", reasoning_parser),
+                                                     ("tool-call-parser", tool_call_parser))
+             if value == harmony.NAME]
+    if asked:
+        other = {tool_call_parser, reasoning_parser} - {harmony.NAME, None}
+        if other:
+            raise ValueError(f"{asked[0]} reads reasoning and tool calls from the harmony "
+                             f"channels; it cannot be combined with {other.pop()!r}")
+        return harmony.HarmonyTokens.require(engine.tokenizer, asked[0])
+    if (tool_call_parser is None and reasoning_parser is None and engine.tokenizer is not None
+            and engine.model_config.architecture in harmony.ARCHITECTURES):
+        tokens = harmony.HarmonyTokens.of(engine.tokenizer)
+        if tokens is None:
+            log.warning("a %s checkpoint whose tokenizer lacks the harmony tokens: its output "
+                        "is returned as plain content", engine.model_config.architecture)
+        return tokens
+    return None
+
+
 def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
               api_key: str | None = None, chat_template: str | None = None,
               max_payload_size: int = MAX_PAYLOAD_SIZE, tool_call_parser: str | None = None,
@@ -51,12 +75,19 @@ def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
     `chat_template`: a template file or built-in name (jaxrunner/server/chat_templates.py).
     `max_payload_size`: larger request bodies get 413. The parsers: jaxrunner/server/
     tool_calls.py and reasoning.py; without a tool-call parser one is inferred from the model.
+    "gpt-oss" (either parser; the default for a GPT-OSS checkpoint with the harmony tokens) reads
+    the harmony format's channels (jaxrunner/server/harmony.py); a tokenizer without the
+    harmony tokens refuses it.
     `strict_request_fields`: a field neither OpenAI's nor SGLang's API defines is a 400 rather
     than a warning (jaxrunner/server/request_fields.py)."""
     for name, value, known in (("tool_call_parser", tool_call_parser, tool_calls.PARSERS),
                                ("reasoning_parser", reasoning_parser, reasoning.PARSERS)):
-        if value is not None and value not in known:
-            raise ValueError(f"{name}={value!r} is not one of {', '.join(known)}")
+        if value is not None and value not in known + (harmony.NAME,):
+            raise ValueError(f"{name}={value!r} is not one of {', '.join(known)}, "
+                             f"{harmony.NAME}")
+    harmony_tokens = _harmony_tokens(engine, tool_call_parser, reasoning_parser)
+    if harmony_tokens is not None:
+        tool_call_parser = reasoning_parser = harmony.NAME
     engine_loop = EngineLoop(engine, max_queued_requests=engine.args.max_queued_requests,
                              request_timeout=engine.args.request_timeout)
     metrics = ServerMetrics(lambda: engine_loop.stats)
@@ -68,7 +99,7 @@ def build_app(engine: ServingEngine, served_model_name: str | None = None, *,
     state = ServerState(engine, engine_loop, metrics,
                         served_model_name or engine.args.model_path,
                         chat_template=template, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser,
+                        reasoning_parser=reasoning_parser, harmony=harmony_tokens,
                         fields=FieldPolicy(strict_request_fields))
 
     @contextlib.asynccontextmanager

@@ -9,6 +9,9 @@ the one the model implies: jaxrunner/server/tool_calls.py) takes tool calls out 
 With `tool_choice="required"` or a named function a grammar forces the whole output to be the
 call(s) as JSON, read back without a parser. Every message and delta carries
 `reasoning_content` (null without reasoning) and the usage `reasoning_tokens`, as SGLang's do.
+
+A GPT-OSS model's output is in the harmony format instead (jaxrunner/server/harmony.py): its
+channels are read from the token ids by `HarmonyOutput`, which has `ChoiceOutput`'s contract.
 """
 
 import json
@@ -21,6 +24,7 @@ from jaxrunner.server.detokenizer import IncrementalDetokenizer
 from jaxrunner.server.engine_loop import EngineError
 from jaxrunner.server.chat_protocol import ChatCompletionRequest
 from jaxrunner.server.errors import APIError
+from jaxrunner.server.harmony import HarmonyOutput, check_effort
 from jaxrunner.server.openai_api import Job, chat_logprobs
 from jaxrunner.server.reasoning import ReasoningStream, reasoning_token_count
 from jaxrunner.server.state import SSE_DONE, ServerState, collect, finish_reason, matched_stop, sse
@@ -30,12 +34,15 @@ from jaxrunner.server.tool_calls import (ToolCallStream, forced_calls, forced_sc
 log = logging.getLogger(__name__)
 
 
-def template_messages(messages) -> list[dict]:
+def template_messages(messages, with_thinking: bool = False) -> list[dict]:
     """The request's messages as the chat template reads them (tool calls' arguments as
-    objects, which Llama's and Qwen's templates serialise themselves)."""
+    objects, which Llama's and Qwen's templates serialise themselves). `with_thinking`: an
+    assistant's `reasoning_content` goes along as `thinking` (the harmony templates' name)."""
     out = []
     for m in messages:
         msg = {"role": m.role, "content": m.text()}
+        if with_thinking and m.reasoning_content:
+            msg["thinking"] = m.reasoning_content
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_call_id is not None:
@@ -80,6 +87,10 @@ class ToolPlan:
             self.forced = forced_schema(self.tools, self.choice)
         except ValueError as e:
             raise APIError(str(e), 400, "tool_choice") from None
+        if self.forced is not None and state.harmony is not None:
+            raise APIError("tool_choice='required' or a named function is not implemented for "
+                           "the harmony format (its grammar would replace the model's "
+                           "channels); use 'auto'", 400, "tool_choice")
         if self.forced is None:
             self.parser = state.tool_call_parser
             if self.parser is None:
@@ -140,6 +151,11 @@ class ChoiceOutput:
         reasoning, self.held_reasoning = self.held_reasoning, ""
         return reasoning, content
 
+    def feed_output(self, text: str, token_ids, final: bool = False) -> tuple[str, str, list]:
+        """`feed(text, final)`: the text is what this splitter reads (`token_ids` are for
+        HarmonyOutput, which reads tokens)."""
+        return self.feed(text, final)
+
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list]:
         """(reasoning, content, new calls) of the next text; `final` flushes."""
         reasoning, content = "", text
@@ -162,6 +178,8 @@ class ChoiceOutput:
             calls = calls[:max(0, self.max_calls - len(self.calls))]
         self.calls += calls
         return reasoning, content, calls
+
+    error = None  # the text splitters never give up on an output
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
         """The output tokens of the reasoning block (0 without one)."""
@@ -186,6 +204,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest):
         raise APIError("give max_tokens or max_completion_tokens, not both", 400, "max_tokens")
     max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     extra = body.structured_output()
+    if state.harmony is not None:
+        _check_harmony(body, extra)
     if plan.forced is not None:
         if extra or body.json_schema or body.regex or body.ebnf:
             raise APIError("tool_choice='required' or a named function constrains the output "
@@ -198,6 +218,20 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest):
     return job, await job.submit(), plan
 
 
+def _check_harmony(body: ChatCompletionRequest, extra: dict) -> None:
+    """What the harmony format cannot take: efforts it does not define, and response_format
+    (whose grammar would constrain the channels, not the final answer; the raw `regex`/`ebnf`
+    constrain the whole output as the model writes it, markers included, and are allowed)."""
+    try:
+        check_effort(body.template_kwargs().get("reasoning_effort"))
+    except ValueError as e:
+        raise APIError(str(e), 400, "reasoning_effort") from None
+    if extra:
+        raise APIError("response_format is not implemented for the harmony format (GPT-OSS): "
+                       "its grammar would constrain the analysis channel too", 400,
+                       "response_format")
+
+
 async def _template(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan
                     ) -> list[int]:
     """The prompt's token ids: the messages through the chat template."""
@@ -206,7 +240,7 @@ async def _template(state: ServerState, body: ChatCompletionRequest, plan: ToolP
                        "--chat-template, or use /v1/completions", 400, "messages")
     try:
         return await state.encode_chat(
-            plan.apply(template_messages(body.messages)), tools=plan.template_tools(),
+            plan.apply(template_messages(body.messages, state.harmony is not None)), tools=plan.template_tools(),
             continue_final_message=body.continue_final_message,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             **body.template_kwargs())
@@ -216,9 +250,23 @@ async def _template(state: ServerState, body: ChatCompletionRequest, plan: ToolP
         raise APIError(f"the chat template rejected the messages: {e}", 400, "messages") from None
 
 
-def choice_output(state: ServerState, plan: ToolPlan, body: ChatCompletionRequest
-                  ) -> ChoiceOutput:
-    return ChoiceOutput(state, plan, body.separate_reasoning, body.stream_reasoning)
+def choice_output(state: ServerState, plan: ToolPlan, separate_reasoning: bool = True,
+                  stream_reasoning: bool = True, max_calls: int | None = None
+                  ) -> ChoiceOutput | HarmonyOutput:
+    """The splitter of one choice's output: the harmony parser for a harmony model."""
+    if state.harmony is not None:
+        return HarmonyOutput(state.harmony, state.tokenizer, separate_reasoning,
+                             stream_reasoning, max_calls)
+    return ChoiceOutput(state, plan, separate_reasoning, stream_reasoning, max_calls)
+
+
+def finish_fields(out: ChoiceOutput | HarmonyOutput, reason: dict | None) -> dict:
+    """A choice's finish_reason and matched_stop, and `finish_detail` naming the fault of a
+    malformed output (then finish_reason is "abort")."""
+    fields = {"finish_reason": out.finish_reason(reason), "matched_stop": matched_stop(reason)}
+    if out.error is not None:
+        fields.update(matched_stop=None, finish_detail=out.error)
+    return fields
 
 
 async def chat_completions(state: ServerState, request: Request, body: ChatCompletionRequest):
@@ -230,12 +278,12 @@ async def chat_completions(state: ServerState, request: Request, body: ChatCompl
         results = await collect(group)
     choices, reasoning_tokens = [], 0
     for i, r in enumerate(results):
-        out = choice_output(state, plan, body)
-        reasoning, content, calls = out.feed(r.text(state.tokenizer), final=True)
+        out = choice_output(state, plan, body.separate_reasoning, body.stream_reasoning)
+        reasoning, content, calls = out.feed_output(r.text(state.tokenizer), r.token_ids,
+                                                    final=True)
         message = {"role": "assistant", "content": content if content or not calls else None,
                    "reasoning_content": reasoning or None}
-        if out.reasoning is not None:
-            reasoning_tokens += out.reasoning_tokens(r.token_ids)
+        reasoning_tokens += out.reasoning_tokens(r.token_ids)
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
         choice = {
@@ -243,8 +291,7 @@ async def chat_completions(state: ServerState, request: Request, body: ChatCompl
             "logprobs": chat_logprobs(state, r.token_ids, r.logprobs,
                                       r.top_logprobs or [[]] * len(r.token_ids),
                                       body.top_logprobs or 0) if body.logprobs else None,
-            "finish_reason": out.finish_reason(r.finished_reason),
-            "matched_stop": matched_stop(r.finished_reason)}
+            **finish_fields(out, r.finished_reason)}
         if body.return_hidden_states:
             choice["hidden_states"] = job.hidden_states(i)
         choices.append(choice)
@@ -256,14 +303,19 @@ async def chat_completions(state: ServerState, request: Request, body: ChatCompl
 async def _chat_stream(state, request, job: Job, group, plan: ToolPlan):
     body = job.body
     detoks = [IncrementalDetokenizer(state.tokenizer, job.stops) for _ in job.specs]
-    outputs = [choice_output(state, plan, body) for _ in job.specs]
+    outputs = [choice_output(state, plan, body.separate_reasoning, body.stream_reasoning)
+               for _ in job.specs]
     completion_tokens = 0
     cached = [0] * len(job.specs)
+    # Choices whose last chunk is sent: finished, or given up as malformed (harmony).
+    ended = set()
 
     def chunk(index, delta, logprobs=None, reason=None, out=None):
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": out.finish_reason(reason) if out else finish_reason(reason)}
-        if reason is not None:
+        if out is not None and out.error is not None:
+            choice.update(finish_fields(out, reason))
+        elif reason is not None:
             choice["matched_stop"] = matched_stop(reason)
         c = dict(job.header("chat.completion.chunk"), choices=[choice])
         usage = job.stream_usage(completion_tokens)
@@ -277,14 +329,17 @@ async def _chat_stream(state, request, job: Job, group, plan: ToolPlan):
                 yield chunk(i, {"role": "assistant", "content": "", "reasoning_content": None})
             async for d in group.deltas():
                 completion_tokens += len(d.token_ids)
+                if d.index in ended:
+                    continue
                 out = outputs[d.index]
-                final = d.finished_reason is not None
+                done = d.finished_reason is not None
                 text = detoks[d.index].add(d.token_ids)
-                if final:
+                if done:
                     text += detoks[d.index].finish(d.stopped_text)[1]
                     cached[d.index] = d.cached_tokens
                 calls_before = len(out.calls)
-                reasoning, content, calls = out.feed(text, final)
+                reasoning, content, calls = out.feed_output(text, d.token_ids, done)
+                final = done or out.error is not None
                 delta = {}
                 if content:
                     delta["content"] = content
@@ -303,6 +358,10 @@ async def _chat_stream(state, request, job: Job, group, plan: ToolPlan):
                                          d.top_logprobs or [[]] * len(d.token_ids),
                                          body.top_logprobs or 0) if body.logprobs else None
                 yield chunk(d.index, delta, logprobs, d.finished_reason, out)
+                if final:
+                    ended.add(d.index)
+                if len(ended) == len(job.specs):
+                    break  # leaving `running` aborts what a malformed choice left running
     except EngineError as e:
         yield sse(APIError(str(e), 500).body())
     if job.include_usage():

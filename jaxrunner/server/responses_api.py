@@ -2,6 +2,11 @@
 (jaxrunner/server/chat_api.py): the input items become chat messages, and the chat output
 (reasoning, text, tool calls) becomes output items. Nothing is stored, so `previous_response_id`
 is refused: a client sends the whole conversation as `input`.
+
+A reasoning item goes back to the model with the assistant message or call that follows it (as
+`reasoning_content`, which only the harmony templates read: GPT-OSS keeps a turn's analysis
+across its tool calls). A harmony output the parser gives up on (jaxrunner/server/harmony.py)
+makes the response "failed", its error naming the fault (code "malformed_output").
 """
 
 import json
@@ -11,7 +16,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from jaxrunner.server.chat_api import ChoiceOutput, start_chat
+from jaxrunner.server.chat_api import choice_output, start_chat
 from jaxrunner.server.chat_protocol import ChatCompletionRequest, ChatMessage
 from jaxrunner.server.detokenizer import IncrementalDetokenizer
 from jaxrunner.server.engine_loop import EngineError
@@ -36,16 +41,25 @@ def _text_of(content) -> str:
                    "input")
 
 
+def _text_of_reasoning(item: dict):
+    for part in item.get("content") or []:
+        if isinstance(part, dict) and part.get("type") == "reasoning_text":
+            yield part.get("text", "")
+
+
 def chat_messages(body: ResponsesRequest) -> list[dict]:
     """The conversation of `instructions` + `input` as chat messages."""
     messages = [] if body.instructions is None else [{"role": "system",
                                                       "content": body.instructions}]
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
         else body.input
+    reasoning = None  # of the reasoning item before the next assistant message or call
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _text_of(item.get("content"))})
+            if item.get("role") == "assistant" and reasoning is not None:
+                messages[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -53,11 +67,13 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if reasoning is not None:
+                messages[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": _text_of(item.get("output"))})
         elif kind == "reasoning":
-            continue  # earlier turns' reasoning is not sent back to the model
+            reasoning = "".join(_text_of_reasoning(item))
         else:
             raise APIError(f"input item type {kind!r} is not supported (message, function_call, "
                            "function_call_output, reasoning)", 400, "input")
@@ -105,14 +121,18 @@ class _Builder:
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def response(self, status: str, output: list, usage=None, reason=None) -> dict:
+    def response(self, status: str, output: list, usage=None, reason=None,
+                 fault: str | None = None) -> dict:
+        """`fault`: why the model's output could not be read (the response failed)."""
         body = self.body
-        incomplete = None
-        if reason is not None and reason["type"] == "length":
+        incomplete = error = None
+        if fault is not None:
+            status, error = "failed", {"code": "malformed_output", "message": fault}
+        elif reason is not None and reason["type"] == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "status": status, "model": self.state.served_model_name, "output": output,
-                "error": None, "incomplete_details": incomplete,
+                "error": error, "incomplete_details": incomplete,
                 "instructions": body.instructions, "metadata": body.metadata or {},
                 "max_output_tokens": body.max_output_tokens,
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -158,8 +178,8 @@ async def responses(state: ServerState, request: Request, body: ResponsesRequest
                                  media_type="text/event-stream")
     async with state.running(request, group):
         (r,) = await collect(group)
-    out = ChoiceOutput(state, plan, max_calls=body.max_tool_calls)
-    reasoning, content, calls = out.feed(r.text(state.tokenizer), final=True)
+    out = choice_output(state, plan, max_calls=body.max_tool_calls)
+    reasoning, content, calls = out.feed_output(r.text(state.tokenizer), r.token_ids, final=True)
     items = []
     if reasoning:
         items.append(builder.reasoning(reasoning))
@@ -167,7 +187,8 @@ async def responses(state: ServerState, request: Request, body: ResponsesRequest
         items.append(builder.message(content))
     items += [builder.function_call(c) for c in calls]
     usage = builder.usage(job, len(r.token_ids), r.cached_tokens, out.reasoning_tokens(r.token_ids))
-    return JSONResponse(builder.response("completed", items, usage, r.finished_reason))
+    return JSONResponse(builder.response("completed", items, usage, r.finished_reason,
+                                         out.error))
 
 
 def _event(kind: str, seq: int, **fields) -> str:
@@ -179,7 +200,7 @@ async def _stream(state, request, job, group, plan, builder: _Builder):
     events, the reasoning and function-call items, completed."""
     seq = iter(range(1 << 62))
     detok = IncrementalDetokenizer(state.tokenizer, job.stops)
-    out = ChoiceOutput(state, plan, max_calls=builder.body.max_tool_calls)
+    out = choice_output(state, plan, max_calls=builder.body.max_tool_calls)
     text, reasoning, calls, tokens = "", "", [], []
     yield _event("response.created", next(seq), response=builder.response("in_progress", []))
     yield _event("response.in_progress", next(seq), response=builder.response("in_progress", []))
@@ -192,7 +213,7 @@ async def _stream(state, request, job, group, plan, builder: _Builder):
                 piece = detok.add(d.token_ids)
                 if final:
                     piece += detok.finish(d.stopped_text)[1]
-                r, c, new_calls = out.feed(piece, final)
+                r, c, new_calls = out.feed_output(piece, d.token_ids, final)
                 reasoning += r
                 calls += new_calls
                 if c:
@@ -209,6 +230,9 @@ async def _stream(state, request, job, group, plan, builder: _Builder):
                                  output_index=index, content_index=0, delta=c, logprobs=[])
                 if final:
                     reason, cached = d.finished_reason, d.cached_tokens
+                if out.error is not None:
+                    reason, cached = None, d.cached_tokens
+                    break  # leaving `running` aborts the request
     except EngineError as e:
         yield _event("error", next(seq), message=str(e), code="server_error", param=None)
         return
@@ -232,5 +256,6 @@ async def _stream(state, request, job, group, plan, builder: _Builder):
         yield _event("response.output_item.done", next(seq), output_index=len(items) - 1,
                      item=item)
     usage = builder.usage(job, len(tokens), cached, out.reasoning_tokens(tokens))
-    yield _event("response.completed", next(seq),
-                 response=builder.response("completed", items, usage, reason))
+    response = builder.response("completed", items, usage, reason, out.error)
+    yield _event(f"response.{'failed' if out.error is not None else 'completed'}", next(seq),
+                 response=response)

@@ -14,6 +14,7 @@ from jaxrunner.engine.base import ServingEngine
 from jaxrunner.engine.lifecycle import EngineNotReadyError
 from jaxrunner.server.detokenizer import decode, final_text
 from jaxrunner.server.engine_loop import Delta, EngineError, EngineLoop, RequestGroup, RequestSpec
+from jaxrunner.server.harmony import HarmonyTokens
 from jaxrunner.server.metrics import ServerMetrics
 from jaxrunner.server.errors import APIError
 from jaxrunner.server.request_fields import FieldPolicy
@@ -34,6 +35,9 @@ class ServerState:
     # (jaxrunner/server/tool_calls.py); None: tools are rendered into the prompt.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None    # --reasoning-parser (jaxrunner/server/reasoning.py)
+    # The harmony format's token ids when the output is harmony (GPT-OSS: both parsers are
+    # then "gpt-oss", jaxrunner/server/harmony.py), else None.
+    harmony: HarmonyTokens | None = None
     fields: FieldPolicy = dataclasses.field(default_factory=FieldPolicy)
     # The groups of the requests in flight by their client's `rid` (`/abort_request`).
     groups_by_rid: dict = dataclasses.field(default_factory=dict)
