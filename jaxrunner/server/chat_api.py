@@ -251,12 +251,13 @@ async def _template(state: ServerState, body: ChatCompletionRequest, plan: ToolP
 
 
 def choice_output(state: ServerState, plan: ToolPlan, separate_reasoning: bool = True,
-                  stream_reasoning: bool = True, max_calls: int | None = None
-                  ) -> ChoiceOutput | HarmonyOutput:
-    """The splitter of one choice's output: the harmony parser for a harmony model."""
+                  stream_reasoning: bool = True, max_calls: int | None = None,
+                  continue_final: bool = False) -> ChoiceOutput | HarmonyOutput:
+    """The splitter of one choice's output: the harmony parser for a harmony model
+    (`continue_final`: the output continues the prompt's open final message)."""
     if state.harmony is not None:
         return HarmonyOutput(state.harmony, state.tokenizer, separate_reasoning,
-                             stream_reasoning, max_calls)
+                             stream_reasoning, max_calls, continue_final)
     return ChoiceOutput(state, plan, separate_reasoning, stream_reasoning, max_calls)
 
 
@@ -278,7 +279,8 @@ async def chat_completions(state: ServerState, request: Request, body: ChatCompl
         results = await collect(group)
     choices, reasoning_tokens = [], 0
     for i, r in enumerate(results):
-        out = choice_output(state, plan, body.separate_reasoning, body.stream_reasoning)
+        out = choice_output(state, plan, body.separate_reasoning, body.stream_reasoning,
+                            continue_final=body.continue_final_message)
         reasoning, content, calls = out.feed_output(r.text(state.tokenizer), r.token_ids,
                                                     final=True)
         message = {"role": "assistant", "content": content if content or not calls else None,
@@ -303,8 +305,8 @@ async def chat_completions(state: ServerState, request: Request, body: ChatCompl
 async def _chat_stream(state, request, job: Job, group, plan: ToolPlan):
     body = job.body
     detoks = [IncrementalDetokenizer(state.tokenizer, job.stops) for _ in job.specs]
-    outputs = [choice_output(state, plan, body.separate_reasoning, body.stream_reasoning)
-               for _ in job.specs]
+    outputs = [choice_output(state, plan, body.separate_reasoning, body.stream_reasoning,
+                             continue_final=body.continue_final_message) for _ in job.specs]
     completion_tokens = 0
     cached = [0] * len(job.specs)
     # Choices whose last chunk is sent: finished, or given up as malformed (harmony).

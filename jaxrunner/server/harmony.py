@@ -17,8 +17,10 @@ messages, each `[<|start|>assistant]<header><|message|><body><end>`:
   generation_config says so); `<|end|>` is not: the model goes on with `<|start|>assistant`.
 
 Channels map to the OpenAI fields: `analysis` -> `reasoning_content`; `final` -> `content`;
-`commentary` to `functions.NAME` -> a tool call with the body as its arguments; `commentary`
-with no recipient (a preamble the format shows to the user) -> `content`.
+`commentary` to `functions.NAME` -> a tool call with the body as its arguments (emitted whole
+when its message ends, streamed or not); `commentary` with no recipient (a preamble the format
+shows to the user) -> `content`. With `continue_final_message` the template leaves the last
+`final` message open, so the output starts inside its body.
 
 Anything else is malformed: a token where the format allows none (text after a message's end,
 `<|start|>` inside a body, a header without a channel, an unknown channel, a role other than
@@ -113,13 +115,17 @@ class HarmonyStream:
     completed calls); `finish()` flushes. After a fault, `error` names it and nothing more is
     read."""
 
-    def __init__(self, tokens: HarmonyTokens, tokenizer):
+    def __init__(self, tokens: HarmonyTokens, tokenizer, in_final: bool = False):
+        """`in_final`: the prompt left a final message open (the output continues it)."""
         self.tokens, self.tokenizer = tokens, tokenizer
         self.state = "header"           # header, body, between (after an end), done
         self.header: list[int] = []
         self.message: _Message | None = None
         self.detok: IncrementalDetokenizer | None = None
         self.arguments = ""
+        if in_final:
+            self.message, self.state = _Message("final", None), "body"
+            self.detok = IncrementalDetokenizer(tokenizer)
         self.error: str | None = None
         self.reasoning_tokens = 0
         self.saw_reasoning = False
@@ -160,6 +166,8 @@ class HarmonyStream:
         elif self.state == "header":
             if token == t.message:
                 self._open()
+            elif token == t.start and not self.header:
+                pass  # a prompt without the generation prompt: the output opens the message
             elif token in (t.start, t.end, t.return_, t.call):
                 raise MalformedOutput(f"{self._name(token)} in a message header (before "
                                       "<|message|>)")
@@ -245,8 +253,9 @@ class HarmonyOutput:
     content; `stream_reasoning` False holds it back until its message ends."""
 
     def __init__(self, tokens: HarmonyTokens, tokenizer, separate_reasoning: bool = True,
-                 stream_reasoning: bool = True, max_calls: int | None = None):
-        self.stream = HarmonyStream(tokens, tokenizer)
+                 stream_reasoning: bool = True, max_calls: int | None = None,
+                 in_final: bool = False):
+        self.stream = HarmonyStream(tokens, tokenizer, in_final)
         self.separate_reasoning, self.stream_reasoning = separate_reasoning, stream_reasoning
         self.max_calls = max_calls
         self.held_reasoning = ""

@@ -69,6 +69,11 @@ def test_a_preamble_is_content_and_an_answer_may_follow_it(tokens, tokenizer):
     assert parse(tokens, tokenizer, ids(tokenizer, text)) == ("", "Let me think.Done.", [], None)
 
 
+def test_a_leading_start_is_taken_as_the_messages_opening(tokens, tokenizer):
+    text = "<|start|>assistant<|channel|>final<|message|>Hi.<|return|>"
+    assert parse(tokens, tokenizer, ids(tokenizer, text), 1) == ("", "Hi.", [], None)
+
+
 def test_an_output_cut_short_keeps_what_its_message_had(tokens, tokenizer):
     cut = ids(tokenizer, ANSWER)[:-3]
     reasoning, content, calls, error = parse(tokens, tokenizer, cut, 1)

@@ -215,3 +215,12 @@ def test_harmony_asked_of_a_model_without_its_tokens_is_refused_by_name(checkpoi
         build_app(llama, MODEL, reasoning_parser="gpt-oss", tool_call_parser="hermes")
     # Without a flag, a non-GPT-OSS model is not harmony.
     assert build_app(llama, MODEL).state.server.harmony is None
+
+
+def test_continue_final_message_continues_the_open_final_channel(client, engine):
+    script(engine, " and more.<|return|>")
+    messages = USER + [{"role": "assistant", "content": "The answer is 4"}]
+    choice = chat(client, messages=messages, continue_final_message=True)
+    assert engine.tokenizer.decode(engine.prompts[-1]).endswith(
+        "<|start|>assistant<|channel|>final<|message|>The answer is 4")
+    assert choice["message"]["content"] == " and more." and choice["finish_reason"] == "stop"
