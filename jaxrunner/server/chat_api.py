@@ -126,6 +126,8 @@ class ChoiceOutput:
     False leaves the reasoning in the content; `stream_reasoning` False holds it back until
     its block ends."""
 
+    error = None  # the text splitters never give up on an output (HarmonyOutput may)
+
     def __init__(self, state: ServerState, plan: ToolPlan, separate_reasoning: bool = True,
                  stream_reasoning: bool = True, max_calls: int | None = None):
         self.reasoning = (ReasoningStream(state.reasoning_parser)
@@ -178,8 +180,6 @@ class ChoiceOutput:
             calls = calls[:max(0, self.max_calls - len(self.calls))]
         self.calls += calls
         return reasoning, content, calls
-
-    error = None  # the text splitters never give up on an output
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
         """The output tokens of the reasoning block (0 without one)."""
@@ -239,8 +239,9 @@ async def _template(state: ServerState, body: ChatCompletionRequest, plan: ToolP
         raise APIError("this model's tokenizer has no chat template; start the server with "
                        "--chat-template, or use /v1/completions", 400, "messages")
     try:
+        messages = template_messages(body.messages, with_thinking=state.harmony is not None)
         return await state.encode_chat(
-            plan.apply(template_messages(body.messages, state.harmony is not None)), tools=plan.template_tools(),
+            plan.apply(messages), tools=plan.template_tools(),
             continue_final_message=body.continue_final_message,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             **body.template_kwargs())
