@@ -4,12 +4,14 @@ tokenizer and chat template, scripted outputs: tests/support/scripted_engine.py)
 with a named fault and no server error, `reasoning_effort` in the prompt, tool turns rendered
 back, and what the harmony parser refuses."""
 
+import argparse
 import json
 
 import pytest
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
+from jaxrunner.cli import add_serve_args, serve
 from jaxrunner.server.app import build_app
 from models.testing import harmony
 from tests.support.scripted_engine import ScriptedEngine
@@ -224,3 +226,13 @@ def test_continue_final_message_continues_the_open_final_channel(client, engine)
     assert engine.tokenizer.decode(engine.prompts[-1]).endswith(
         "<|start|>assistant<|channel|>final<|message|>The answer is 4")
     assert choice["message"]["content"] == " and more." and choice["finish_reason"] == "stop"
+
+
+def test_serve_refuses_the_harmony_flag_for_a_model_without_its_tokens(checkpoint):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    ns = parser.parse_args(["--model-path", "m", "--tool-call-parser", "gpt-oss"])
+    llama = ScriptedEngine(AutoTokenizer.from_pretrained(checkpoint("tiny-llama")),
+                           "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="--tool-call-parser gpt-oss: the harmony format"):
+        serve(ns, make_engine=lambda **kwargs: llama)
