@@ -124,7 +124,10 @@ def cached_checkpoint(preset: str, root: str | Path, **kwargs: Any) -> Path:
     `cached_checkpoint("tiny-llama", tmp_path_factory.getbasetemp() / "checkpoints")`.
     """
     final = Path(root) / preset
-    marker = json.dumps({"preset": preset, "spec": PRESETS.get(preset), **kwargs},
+    extra = {}
+    if PRESETS.get(preset, {}).get("architecture") in gpt_oss_checkpoint.ARCHITECTURES:
+        extra["tokens"] = "harmony"  # a GPT-OSS checkpoint made before they were added is stale
+    marker = json.dumps({"preset": preset, "spec": PRESETS.get(preset), **extra, **kwargs},
                         sort_keys=True, default=str)
     if (final / _MARKER).is_file() and (final / _MARKER).read_text() == marker:
         return final
