@@ -236,3 +236,17 @@ def test_serve_refuses_the_harmony_flag_for_a_model_without_its_tokens(checkpoin
                            "LlamaForCausalLM")
     with pytest.raises(ValueError, match="--tool-call-parser gpt-oss: the harmony format"):
         serve(ns, make_engine=lambda **kwargs: llama)
+
+
+def test_each_of_n_streamed_choices_ends_once_on_a_malformed_output(client, engine):
+    script(engine, MALFORMED)
+    last = {}
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": USER, "stream": True, "n": 2}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[len("data: "):])["choices"]:
+                    if choice["finish_reason"] is not None:
+                        assert choice["index"] not in last
+                        last[choice["index"]] = choice["finish_reason"]
+    assert last == {0: "abort", 1: "abort"}
