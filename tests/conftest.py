@@ -21,14 +21,6 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items):
-    # The real-compiler tests (tests/lowering/) run last: once libtpu's and the CUDA plugin's
-    # compile-only clients live in a process, serialising a CPU executable (the executable
-    # cache's put, in an engine's compile thread) crashed that process twice in a full run.
-    items.sort(key=lambda item: item.path.parent.name == "lowering"
-               and item.path.parent.parent.name == "tests")
-
-
 @pytest.fixture(scope="session")
 def shared_tmp(tmp_path_factory) -> Path:
     """A directory every worker of this run shares: the run's base temporary directory (under

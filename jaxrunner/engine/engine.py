@@ -1,6 +1,7 @@
 """The offline engine: SGLang's `Engine.generate` API over the scheduler, in this process."""
 
 import gc
+import weakref
 
 from tqdm.auto import tqdm
 
@@ -23,6 +24,23 @@ from jaxrunner.speculative.round import SpeculativeRound
 from jaxrunner.speculative.spec_worker import SpeculativeWorker
 from jaxrunner.worker.model_worker import ModelWorker
 from models.config import ModelConfig
+
+
+# Engines between start-up and shutdown: start-up freezes the process's objects for the cyclic
+# collector (gc.freeze), so a shut-down engine's cycles (its runner, executables and KV cache)
+# would never be freed: 2,100 memory maps of compiled code per tiny engine, until a process that
+# started ~30 engines hit the kernel's 65,530 and crashed in the next compile.
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _collect_frozen(engine: "Engine") -> None:
+    """Frees what a shut-down `engine` held: unfreezes, collects, and freezes again what the
+    engines still serving hold."""
+    _LIVE_ENGINES.discard(engine)
+    gc.unfreeze()
+    gc.collect()
+    if _LIVE_ENGINES:
+        gc.freeze()
 
 
 def create_worker(args: EngineArgs, model_config: ModelConfig,
@@ -99,6 +117,7 @@ class Engine(EngineLifecycle):
         # them keeps the cyclic GC's full collections, which pause a step for ~0.3 s here, short.
         gc.collect()
         gc.freeze()
+        _LIVE_ENGINES.add(self)
 
     @property
     def runner(self):
@@ -462,8 +481,13 @@ class Engine(EngineLifecycle):
 
     def shutdown(self) -> None:
         self.compile_monitor.close()
+        # Everything that reaches the runner goes (the request factory checks requests with
+        # the scheduler), so that the collection below frees it while the caller still holds
+        # this engine.
         self.worker = None
         self.scheduler = None
+        self.request_factory = None
+        _collect_frozen(self)
 
     def __enter__(self):
         return self

@@ -1,5 +1,7 @@
 """The offline engine end to end on the tiny Llama: batching, compiles, sampling, stops, errors."""
 
+import weakref
+
 import jax
 import numpy as np
 import pytest
@@ -62,8 +64,12 @@ def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwa
         assert engine.compile_monitor.count == before
         with pytest.raises(CompileAfterWarmupError):
             jax.jit(lambda x: x * 5 - 2)(np.arange(11, dtype=np.float32)).block_until_ready()
+        runner = weakref.ref(other.runner)
     finally:
         other.shutdown()
+    # Shut down, its runner (executables, KV cache) is freed although start-up froze the
+    # collector, and the engine still serving is untouched.
+    assert runner() is None
     out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
     assert len(out["output_ids"]) == 3
 
