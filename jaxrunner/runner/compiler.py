@@ -110,10 +110,6 @@ class Compiler:
         self.show_progress = show_progress
         self.cache: ExecutableCache | None = None
         self.reports: dict[str, ProgramReport] = {}
-        # Executables compiled by `compile_all`'s threads, written to the cache after the last
-        # compile: serialising a CPU executable while another thread compiles crashed the
-        # process (an abort, and a segfault, inside jax's serialize_executable).
-        self._unwritten: list[tuple[str, object]] | None = None
 
     def open_cache(self, directory: str | None, fingerprint: tuple) -> None:
         """Keeps executables in `directory` (None: nowhere) under `fingerprint`."""
@@ -134,10 +130,7 @@ class Compiler:
                                                    time.perf_counter() - start)
                 return None
             if self.cache is not None:
-                if self._unwritten is not None:
-                    self._unwritten.append((name, compiled))
-                else:
-                    self.cache.put(name, compiled)
+                self.cache.put(name, compiled)
         self.reports[name] = ProgramReport(name, True, "", _temp_bytes(compiled),
                                            time.perf_counter() - start)
         return compiled
@@ -158,22 +151,16 @@ class Compiler:
         """Runs the compile `jobs` several at once: XLA compiles outside the GIL, and the
         programs are independent. One that fails fails them all, without compiling the rest."""
         progress = tqdm(total=len(jobs), desc="compiling buckets", disable=not self.show_progress)
-        self._unwritten = []
-        try:
-            with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-                futures = [pool.submit(in_this_context(job)) for job in jobs]
-                try:
-                    for future in futures:
-                        future.result()
-                        progress.update()
-                except BaseException:
-                    pool.shutdown(cancel_futures=True)
-                    raise
-        finally:
-            unwritten, self._unwritten = self._unwritten, None
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            futures = [pool.submit(in_this_context(job)) for job in jobs]
+            try:
+                for future in futures:
+                    future.result()
+                    progress.update()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
         progress.close()
-        for name, compiled in unwritten:
-            self.cache.put(name, compiled)
 
     def export(self, fn, *args) -> jax.export.Exported:
         """`fn(*args)` lowered for the lowering target (`lower_only`)."""
