@@ -81,6 +81,17 @@ class EngineArgs:
     # Order of admission: "fcfs" or "lpm" (longest cached prefix first); priorities first.
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
+    # Sliding-window KV memory (SGLang's hybrid SWA memory; jaxrunner/mem_cache/
+    # swa_memory_pool.py). A model with both windowed and full layers (Gemma 2/3, GPT-OSS, Qwen2
+    # with max_window_layers) keeps its windowed layers' KV in a pool of its own that holds
+    # only what their windows can still see, `swa_full_tokens_ratio` x the full layers' tokens
+    # (None: room for every running request's window and one prefill step, the rest of the
+    # memory to the full layers). `max_total_tokens` then is a memory budget: what that many
+    # tokens of every layer would take, split between the pools. `disable_hybrid_swa_memory`
+    # keeps every layer's whole context (windows only masked). Not with DP attention,
+    # speculative decoding or split prefill (those keep one pool).
+    swa_full_tokens_ratio: float | None = None
+    disable_hybrid_swa_memory: bool = False
     # Scales how many future decode pages admission sets aside for running requests (SGLang's
     # name): lower admits more and retracts more often; 0 counts only the pages needed now.
     schedule_conservativeness: float = 1.0
@@ -288,8 +299,31 @@ class EngineArgs:
         self._check_speculative()
         self._check_dllm()
         self._check_split_prefill()
+        self._check_swa_memory()
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @property
+    def hybrid_swa_memory_possible(self) -> bool:
+        """Whether these arguments allow a sliding-window KV pool (the model decides the rest:
+        runner/memory_plan.py)."""
+        return not (self.disable_hybrid_swa_memory or self.dp_size > 1
+                    or self.speculative_algorithm is not None or self.enable_split_prefill)
+
+    def _check_swa_memory(self) -> None:
+        ratio = self.swa_full_tokens_ratio
+        if ratio is None:
+            return
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1] or None, got {ratio!r}")
+        for name, value, off in (("disable_hybrid_swa_memory", self.disable_hybrid_swa_memory,
+                                  False),
+                                 ("dp_size", self.dp_size, 1),
+                                 ("speculative_algorithm", self.speculative_algorithm, None),
+                                 ("enable_split_prefill", self.enable_split_prefill, False)):
+            if value != off:
+                raise ValueError(f"swa_full_tokens_ratio sizes a sliding-window KV pool, which "
+                                 f"{name}={value!r} does not use (it keeps one pool)")
 
     def _check_dllm(self) -> None:
         if self.dllm_algorithm is None:

@@ -10,7 +10,8 @@ page_size, 2 * num_kv_heads, head_dim]`, page p of layer l at row `l * pages_per
 decoder's layers run as one scanned body with the layer index as loop data, and the cache threads
 through the scan as loop state; shifting the page ids by the layer's offset lets every kernel keep
 its one-layer contract while reading and writing the layer's pages where they lie (no per-layer
-slice of the cache is ever materialised).
+slice of the cache is ever materialised). With a sliding-window pool the layers' pages are not
+all alike (mem_cache/kv_cache.py): `layer_offsets` gives each layer's row of page 0.
 """
 
 import abc
@@ -45,6 +46,9 @@ class AttentionConfig:
     # 1), whose first value_dim entries are the values; a layer's output is [T, num_heads,
     # value_dim]. None: per-head K and V of head_dim, interleaved.
     value_dim: int | None = None
+    # Per layer, the row of its page 0 in the flat cache (a sliding-window pool's layout,
+    # mem_cache/swa_memory_pool.py `layer_page_offsets`); None: layer l's at l * pages.
+    layer_offsets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -57,7 +61,8 @@ class AttentionConfig:
 
     @classmethod
     def for_model(cls, cfg, *, page_size: int, num_layers: int,
-                  kv_dtype: str | None = None) -> "AttentionConfig":
+                  kv_dtype: str | None = None,
+                  layer_offsets: tuple[int, ...] | None = None) -> "AttentionConfig":
         """The attention of `cfg` (a ModelConfig as sharded): per-head, or with multi-head
         latent attention (`cfg.mla`) multi-query over the latent rows."""
         if cfg.mla is not None:
@@ -70,7 +75,8 @@ class AttentionConfig:
         return cls(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                    head_dim=cfg.head_dim, page_size=page_size, sm_scale=cfg.sm_scale,
                    num_layers=num_layers, sliding_window=cfg.sliding_window,
-                   soft_cap=cfg.attn_logit_softcap, kv_dtype=kv_dtype)
+                   soft_cap=cfg.attn_logit_softcap, kv_dtype=kv_dtype,
+                   layer_offsets=layer_offsets)
 
     @property
     def latent(self) -> bool:
@@ -126,6 +132,8 @@ class AttentionBackend(abc.ABC):
 
     def page_offset(self, kv_cache: jax.Array, layer: jax.Array) -> jax.Array:
         """The row of `layer`'s page 0 in the flat cache."""
+        if self.config.layer_offsets is not None:
+            return jnp.asarray(self.config.layer_offsets, jnp.int32)[layer]
         return layer * (kv_cache.shape[0] // self.config.num_layers)
 
     @staticmethod

@@ -63,6 +63,11 @@ class ForwardBatch:
     # The prompt token after each token, whose log-probability the step returns (prompt
     # logprobs); -1 where none is wanted.
     logprob_target_ids: jax.Array = _from_worker_batch("T")
+    # A sliding-window KV pool's page table and KV slots, which the windowed layers read in
+    # place of `page_table` and `out_cache_loc` (jaxrunner/mem_cache/swa_memory_pool.py); None
+    # in an engine without one, whose steps are then exactly what they were before.
+    swa_page_table: jax.Array | None = _from_worker_batch("R", "P")
+    swa_out_cache_loc: jax.Array | None = _from_worker_batch("T")
     # What a speculative mode needs besides (jaxrunner/speculative/spec_info.py); None else.
     spec_info: object = None
     # A LoRA engine's adapter pool and each token's slot (jaxrunner/lora/layers.py: LoraBatch);
@@ -120,12 +125,14 @@ class ForwardBatch:
 
     @classmethod
     def abstract(cls, bucket: Bucket, capture: CaptureHiddenMode, *, max_pages_per_req: int,
-                 prev_tokens, input_embeds, spec_info=None, lora=None) -> "ForwardBatch":
+                 prev_tokens, input_embeds, spec_info=None, lora=None,
+                 windowed: bool = False) -> "ForwardBatch":
         """The ForwardBatch of `bucket` as shapes (`jax.ShapeDtypeStruct`s), for lowering its
-        step: the uploaded fields from their axes, the rest as given (the fields `prepare` fills
-        are None, as at every call)."""
+        step: the uploaded fields from their axes (the sliding-window pool's where `windowed`),
+        the rest as given (the fields `prepare` fills are None, as at every call)."""
         dims = dict(T=bucket.num_tokens, R=bucket.num_reqs, P=max_pages_per_req)
-        arrays = {name: jax.ShapeDtypeStruct(tuple(dims[axis] for axis in axes), jnp.int32)
+        arrays = {name: (jax.ShapeDtypeStruct(tuple(dims[axis] for axis in axes), jnp.int32)
+                         if windowed or name not in SWA_FIELDS else None)
                   for name, axes in WORKER_BATCH_FIELDS.items()}
         return cls(forward_mode=bucket.mode, capture_hidden_mode=capture,
                    batch_size=bucket.num_reqs, prev_tokens=prev_tokens, input_embeds=input_embeds,
@@ -155,11 +162,21 @@ class ForwardBatch:
     def replace(self, **changes) -> "ForwardBatch":
         return dataclasses.replace(self, **changes)
 
+    def windowed_pool(self) -> "ForwardBatch":
+        """This batch as the windowed layers of a sliding-window KV pool see it: their page
+        table and KV slots in place of the full layers'."""
+        return self.replace(page_table=self.swa_page_table, out_cache_loc=self.swa_out_cache_loc)
+
+    def without_windowed_pool(self) -> "ForwardBatch":
+        """This batch for a runner without a sliding-window pool (a draft model's)."""
+        return self.replace(swa_page_table=None, swa_out_cache_loc=None)
+
 
 # The fields a ForwardBatch uploads from its ModelWorkerBatch, and the axes of each.
 WORKER_BATCH_FIELDS: dict[str, tuple[str, ...]] = {
     f.name: f.metadata["worker_batch"] for f in dataclasses.fields(ForwardBatch)
     if "worker_batch" in f.metadata}
+SWA_FIELDS = ("swa_page_table", "swa_out_cache_loc")
 
 
 def compute_positions(extend_prefix_lens, extend_seq_lens, num_tokens: int):

@@ -14,6 +14,7 @@ from jaxrunner.batch.buckets import Bucket
 from jaxrunner.batch.forward_mode import CaptureHiddenMode, ForwardMode
 from jaxrunner.batch.input_embeds import EmbedOverride
 from jaxrunner.mem_cache.memory_pool import DUMMY_PAGE, PageAllocator, ReqToTokenPool
+from jaxrunner.mem_cache.swa_memory_pool import slide_window
 from jaxrunner.sampling.batch import ALWAYS, SamplingBatch, SlotEntry
 from jaxrunner.sampling.params import SamplingParams
 
@@ -213,6 +214,10 @@ class ModelWorkerBatch:
     input_embeds: np.ndarray | None = None  # [rows, D]: the step's given embeddings, or None
     # i32[T]: each token's LoRA adapter slot (jaxrunner/lora/); -1: the base model (None: all -1).
     lora_slots: np.ndarray | None = None
+    # With a sliding-window KV pool (jaxrunner/mem_cache/swa_memory_pool.py): the windowed
+    # layers' page table i32[R, max_pages_per_req] and KV slots i32[T]; None without one.
+    swa_page_table: np.ndarray | None = None
+    swa_out_cache_loc: np.ndarray | None = None
 
     def __post_init__(self):
         if self.lora_slots is None:
@@ -272,6 +277,8 @@ class ScheduleBatch:
 
     def alloc_kv(self) -> bool:
         """Gives each request a slot and the pages for its new tokens; all or nothing."""
+        for req in self.reqs:  # windowed twins the requests' windows have passed go first
+            slide_window(self.allocator, self.req_to_token_pool, req)
         needs = [self._new_pages(req, n) for req, n in zip(self.reqs, self.kv_lens)]
         pages = self.allocator.alloc(sum(needs))
         if pages is None:
@@ -363,4 +370,9 @@ class ScheduleBatch:
             next_token_ids=next_token_ids, input_embeds_src=input_embeds_src,
             input_embeds=np.concatenate(given_embeds) if given_embeds else None,
             logprob_target_ids=logprob_target_ids, slot_entries=slot_entries,
-            lora_slots=lora_slots)
+            lora_slots=lora_slots,
+            # Read off the allocator now: a twin the next batch's slide frees is still in this
+            # batch's table (the steps run in order on the device).
+            swa_page_table=self.allocator.twins(page_table) if self.allocator.windowed else None,
+            swa_out_cache_loc=(self.allocator.twin_slots(out_cache_loc)
+                               if self.allocator.windowed else None))

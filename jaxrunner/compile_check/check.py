@@ -114,7 +114,7 @@ def run_check(args: EngineArgs, model_config: ModelConfig, slice_: Slice) -> Che
     compiler, memory = runner.compiler, runner.run_plan.memory
     per_device = PerDevice(
         weights_bytes=runner.weights_bytes,
-        kv_cache_bytes=memory.num_pages * args.page_size * memory.kv_bytes_per_token,
+        kv_cache_bytes=memory.kv_cache_bytes,
         max_temp_bytes=compiler.max_temp_bytes,
         other_bytes=_other_bytes(runner),
         hbm_bytes=slice_.target.hbm_bytes())

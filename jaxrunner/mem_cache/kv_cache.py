@@ -8,6 +8,12 @@ the odd slots of axis 2) that the Pallas and C++ kernels read; with multi-head l
 layer, because the decoder runs its layers as one scanned body: the step threads the whole cache
 through the scan as loop state, and the attention of layer l reads and writes the pages of its
 slice in place (`models/llama.py`).
+
+With a sliding-window pool (jaxrunner/mem_cache/swa_memory_pool.py) the full layers have more
+pages than the windowed ones, so the layers no longer share an axis: the cache is one run of
+pages `[1, full layers * pages + windowed layers * windowed pages, page_size, ...]`, which is
+how the layers view it anyway (flat), each layer's pages at its offset
+(`swa_memory_pool.layer_page_offsets`).
 """
 
 from functools import partial
@@ -57,12 +63,18 @@ class TokenToKVPool:
 
     @classmethod
     def for_model(cls, cfg, num_layers: int, num_pages: int, page_size: int, dtype,
-                  sharding=None, *, abstract: bool = False,
-                  latent_width: int | None = None) -> "TokenToKVPool":
+                  sharding=None, *, abstract: bool = False, latent_width: int | None = None,
+                  swa=None) -> "TokenToKVPool":
         """The cache of `cfg`'s attention (a ModelConfig as sharded): per-head K/V, or with
         multi-head latent attention one latent row per token and layer, [L, pages, page_size,
         kv_lora_rank + qk_rope_head_dim], or `latent_width` where the kernel pads the rows
-        (jaxrunner/attention/mla.py `latent_cache_width`)."""
+        (jaxrunner/attention/mla.py `latent_cache_width`). `swa`: a sliding-window pool's plan
+        (runner/memory_plan.py SwaPlan), whose pages follow the full layers' (one run)."""
+        if swa is not None:
+            num_windowed = sum(swa.windowed)
+            rows = (num_layers - num_windowed) * num_pages + num_windowed * swa.num_pages
+            return cls(1, rows, page_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                       sharding, abstract=abstract)
         if cfg.mla is not None:
             return cls(num_layers, num_pages, page_size, 1, latent_width or cfg.mla.latent_dim,
                        dtype, sharding, abstract=abstract, latent=True)

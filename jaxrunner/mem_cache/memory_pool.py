@@ -30,6 +30,21 @@ class PageAllocator:
         """Pages a request can ever hold (all but the dummy page)."""
         return self.num_pages - 1
 
+    @property
+    def num_allocatable(self) -> int:
+        """Pages `alloc` can give now (with a sliding-window pool, the smaller pool's free
+        pages: mem_cache/swa_memory_pool.py)."""
+        return len(self._free)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether windowed layers keep pages of their own (`SwaPageAllocator`)."""
+        return False
+
+    def live_pages(self, pages) -> int:
+        """Of `pages`, how many have windowed twins to free (without a window pool: none)."""
+        return 0
+
     def alloc(self, n: int) -> list[int] | None:
         """`n` pages, or None (and nothing taken) when fewer than `n` are free."""
         if n > len(self._free):

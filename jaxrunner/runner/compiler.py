@@ -198,6 +198,7 @@ class StepInputs:
     max_pages_per_req: int
     input_embeds: jax.ShapeDtypeStruct  # [C, D] in the model dtype, with the inputs' sharding
     parallel: Parallelism
+    windowed: bool = False  # the batches carry a sliding-window pool's page table and slots
 
     def zeros(self) -> tuple[jax.Array, jax.Array]:
         """(no_prev_tokens, no_input_embeds) on the devices (per DP rank under DP attention)."""
@@ -214,7 +215,8 @@ class StepInputs:
         return per_dp_rank(ForwardBatch.abstract(
             bucket, capture, max_pages_per_req=self.max_pages_per_req,
             prev_tokens=jax.ShapeDtypeStruct((self.max_batch_rows,), jnp.int32),
-            input_embeds=embeds, spec_info=spec_info, lora=lora), self.parallel)
+            input_embeds=embeds, spec_info=spec_info, lora=lora, windowed=self.windowed),
+            self.parallel)
 
 
 class StepExecutables:

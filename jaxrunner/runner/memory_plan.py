@@ -18,7 +18,9 @@ and capped by the KV capacity:
    a compiled program reports (`memory_analysis`, `DeviceBytes.program_temp`), else an estimate
    from the largest prefill bucket's activations (`estimate_program_temp`), plus
    `PROGRAM_MARGIN` of the memory;
-4. pages of `page_size` (and the dummy page 0), then the defaulted limits capped by them
+4. with a sliding-window pool (`plan_swa`), the budget split between the full layers' pages
+   and the windowed layers' (EngineArgs.swa_full_tokens_ratio);
+5. pages of `page_size` (and the dummy page 0), then the defaulted limits capped by them
    (`defaults.fit_to_kv`).
 """
 
@@ -63,6 +65,17 @@ PROGRAM_MARGIN = 0.03
 
 
 @dataclass(frozen=True)
+class SwaPlan:
+    """A sliding-window KV pool (jaxrunner/mem_cache/swa_memory_pool.py): the layers that read
+    it, the window its pages keep, and its pages."""
+
+    windowed: tuple[bool, ...]     # per decoder layer: whether its KV is in this pool
+    window: int                    # the largest window of those layers
+    num_pages: int                 # per DP rank, the dummy page included
+    bytes_per_token: int           # per device: a token's KV in every windowed layer
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     args: EngineArgs               # max_running_requests and max_prefill_tokens resolved
     context_len: int
@@ -74,6 +87,16 @@ class MemoryPlan:
     budget: int | None = None      # per device: what the KV cache could take (None: given)
     device: DeviceBytes | None = None  # what the plan read of the device
     latent_width: int | None = None  # a latent KV cache's row width (MLA); None: per-head
+    # A sliding-window pool beside the full layers' pages (then `kv_bytes_per_token` counts
+    # the full layers and a draft only); None: every layer's KV in one pool.
+    swa: SwaPlan | None = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache's bytes per device (every page, the dummy ones included)."""
+        ps = self.args.page_size
+        swa = 0 if self.swa is None else self.swa.num_pages * ps * self.swa.bytes_per_token
+        return self.num_pages * ps * self.kv_bytes_per_token + swa
 
     @property
     def num_slots(self) -> int:
@@ -122,6 +145,18 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
         program_temp = _program_temp(args, sharded, platform, device, running, prefill)
         budget = _kv_budget(args, device, running, sharded.vocab_size, program_temp)
         max_total_tokens = _kv_capacity(platform, budget, per_token, running, context_len)
+    swa = None
+    windowed = windowed_layers(sharded) if args.hybrid_swa_memory_possible else None
+    if windowed is not None:
+        layer_bytes = model_kv_bytes_per_token(sharded, 1, args.tp_size,
+                                               kv_cache_dtype(args, model_config))
+        max_total_tokens, swa = plan_swa(args, sharded, windowed, max_total_tokens * per_token,
+                                         per_token, layer_bytes, running, prefill)
+        per_token -= swa.bytes_per_token
+    elif args.swa_full_tokens_ratio is not None:
+        raise ValueError(f"swa_full_tokens_ratio sizes a sliding-window KV pool, and "
+                         f"{model_config.architecture} has no mix of windowed and full "
+                         f"layers to keep one for")
     num_pages = max_total_tokens // args.page_size + 1  # + the dummy page
     if num_pages < 2:
         raise KvCapacityError(f"no memory left for the KV cache ({max_total_tokens} tokens); "
@@ -134,7 +169,51 @@ def plan_memory(args: EngineArgs, model_config: ModelConfig, platform: str,
         args, max_running_requests=args.max_running_requests or fit_running,
         max_prefill_tokens=args.max_prefill_tokens or fit_prefill)
     return MemoryPlan(resolved, context_len, per_token, num_pages, max_total_tokens,
-                      max_pages_per_req, program_temp, budget, device, latent_width)
+                      max_pages_per_req, program_temp, budget, device, latent_width, swa)
+
+
+def windowed_layers(cfg: ModelConfig) -> tuple[bool, ...] | None:
+    """Per layer, whether it attends over a window, for a model with both kinds of layer (the
+    ones a sliding-window pool serves); None for any other."""
+    windowed = tuple(kind.sliding_window is not None for kind in cfg.attention_kinds)
+    if cfg.mla is not None or all(windowed) or not any(windowed):
+        return None
+    return windowed
+
+
+def plan_swa(args: EngineArgs, sharded: ModelConfig, windowed: tuple[bool, ...],
+             budget_bytes: int, per_token: int, layer_bytes: int, running: int,
+             prefill: int) -> tuple[int, SwaPlan]:
+    """`budget_bytes` split between the full layers' tokens (`per_token` less the windowed
+    layers' bytes each) and a sliding-window pool -> (full tokens, the pool). Its tokens are
+    `swa_full_tokens_ratio` x the full ones, or by default what every running request's window
+    (and a page on each side) and one prefill step take, when the rest leaves the full layers at
+    least as many tokens; else as many as the full layers (ratio 1)."""
+    ps = args.page_size
+    window = max(kind.sliding_window for kind in sharded.attention_kinds
+                 if kind.sliding_window is not None)
+    swa_per_token = sum(windowed) * layer_bytes
+    full_per_token = per_token - swa_per_token
+    ratio = args.swa_full_tokens_ratio
+    swa_tokens = full = None
+    if ratio is None:
+        need = running * (window + 2 * ps) + prefill + ps
+        full = (budget_bytes - need * swa_per_token) // full_per_token
+        if full >= need:
+            swa_tokens = need
+        else:
+            ratio = 1.0
+    if swa_tokens is None:
+        full = int(budget_bytes // (full_per_token + ratio * swa_per_token))
+        swa_tokens = int(full * ratio)
+    one_request = (args.chunked_prefill_size or prefill) + window + 2 * ps
+    if args.swa_full_tokens_ratio is not None and swa_tokens < one_request:
+        raise KvCapacityError(
+            f"swa_full_tokens_ratio={args.swa_full_tokens_ratio} leaves the sliding-window pool "
+            f"{swa_tokens} tokens, fewer than one request's prefill chunk and window take "
+            f"({one_request}); raise it")
+    swa = SwaPlan(windowed, window, swa_tokens // ps + 1, swa_per_token)
+    return full, swa
 
 
 def estimate_program_temp(sharded: ModelConfig, tp_size: int, max_prefill_tokens: int,

@@ -32,6 +32,7 @@ from jaxrunner.eplb.expert_location import ExpertLocation, ExpertMover
 from jaxrunner.lora.pool import LoraPool
 from jaxrunner.mem_cache.kv_cache import TokenToKVPool
 from jaxrunner.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
+from jaxrunner.mem_cache.swa_memory_pool import SwaPageAllocator, layer_page_offsets
 from jaxrunner.parallel.mesh import DATA_AXIS, data_parallel_step, manual_specs
 from jaxrunner.runner.compile_guard import CompileMonitor
 from jaxrunner.runner.compiler import (
@@ -152,16 +153,24 @@ class ModelRunner:
         slots' sampling state. DP attention: every rank has the plan's pages (local page ids)
         and request slots of its own."""
         cfg, memory, dp = self.sharded_config, self.run_plan.memory, self.parallel.dp_size
-        self.allocators = [PageAllocator(memory.num_pages) for _ in range(dp)]
+        swa = memory.swa
+        self.allocators = [PageAllocator(memory.num_pages) if swa is None else
+                           SwaPageAllocator(memory.num_pages, swa.num_pages, self.args.page_size,
+                                            swa.window)
+                           for _ in range(dp)]
         self.req_to_token_pools = [ReqToTokenPool(memory.num_slots, self.max_pages_per_req)
                                    for _ in range(dp)]
         self.token_to_kv_pool = TokenToKVPool.for_model(cfg, cfg.num_hidden_layers,
                                                         dp * memory.num_pages,
                                                         self.args.page_size, self.kv_cache_dtype,
                                                         self.kv_sharding, abstract=self.abstract,
-                                                        latent_width=memory.latent_width)
+                                                        latent_width=memory.latent_width,
+                                                        swa=swa)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", memory.num_pages,
                     self.args.page_size, self.token_to_kv_pool.bytes / 2**20)
+        if swa is not None:
+            logger.info("sliding-window KV pool: %d pages for %d of %d layers (window %d)",
+                        swa.num_pages, sum(swa.windowed), len(swa.windowed), swa.window)
         state_sharding = self.parallel.batch if dp > 1 else self.parallel.replicated
         self.slot_state_spec = per_dp_rank(slot_state_spec(memory.num_slots, cfg.vocab_size),
                                            self.parallel, state_sharding)
@@ -171,9 +180,13 @@ class ModelRunner:
 
     def init_attention_backend(self) -> None:
         cfg = self.sharded_config
+        memory = self.run_plan.memory
+        offsets = (None if memory.swa is None else
+                   layer_page_offsets(memory.swa.windowed, memory.num_pages, memory.swa.num_pages))
         attn_config = AttentionConfig.for_model(cfg, page_size=self.args.page_size,
                                                 num_layers=cfg.num_hidden_layers,
-                                                kv_dtype=self.kv_cache_dtype.name)
+                                                kv_dtype=self.kv_cache_dtype.name,
+                                                layer_offsets=offsets)
         self.attn_backend = create_attention_backend(self.attention_backend_name, attn_config,
                                                      interpret=self.args.pallas_interpret,
                                                      mesh=self.parallel.mesh,
@@ -194,7 +207,7 @@ class ModelRunner:
         self.buckets = self.programs.buckets
         self.max_batch_rows = max(b.num_reqs for b in self.buckets)
         self.inputs = StepInputs(self.max_batch_rows, self.max_pages_per_req, residual,
-                                 self.parallel)
+                                 self.parallel, windowed=self.run_plan.memory.swa is not None)
         self.input_embeds_shape = residual.shape
 
     def precompile(self) -> None:
@@ -402,6 +415,8 @@ class ModelRunner:
         residual stream and layer range). A mode no program runs raises
         ForwardModeNotImplemented. Updates the KV cache in place (donated)."""
         self._check_serving()
+        if fb.swa_page_table is not None and not self.inputs.windowed:
+            fb = fb.without_windowed_pool()  # a draft's step over its target's batch
         return self.steps.run(fb, *operands)
 
     def _check_serving(self) -> None:

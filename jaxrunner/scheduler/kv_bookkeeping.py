@@ -7,11 +7,17 @@ A request's slot starts with the pages of its longest cached prefix (the tree's,
 holds them: `num_tree_pages`), then its own pages. On release the whole pages of its known tokens
 go into the tree (where the tree already had some, ours are duplicates and are freed), the rest
 back to the allocator.
+
+With a sliding-window pool (mem_cache/swa_memory_pool.py) the same books hold: windowed twins
+come and go with their full pages, a request's own pages lose theirs as its window slides past
+(`slide_window`), and a cached prefix is matched only as far as its last window is whole
+(`match`).
 """
 
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.mem_cache.radix_cache import MatchResult, RadixCache
+from jaxrunner.mem_cache.swa_memory_pool import slide_window
 
 
 class KvBookkeeping:
@@ -29,6 +35,23 @@ class KvBookkeeping:
     def available_pages(self) -> int:
         """Pages free now or on demand (cached prefixes no request holds)."""
         return self.allocator.num_free + self.tree_cache.evictable_pages
+
+    @property
+    def available_swa_pages(self) -> int | None:
+        """Sliding-window pages free now or on demand; None without a sliding-window pool."""
+        if not self.allocator.windowed:
+            return None
+        return self.allocator.swa_num_free + self.tree_cache.evictable_live_pages
+
+    def match(self, key, max_tokens: int | None = None) -> MatchResult:
+        """The longest cached prefix of `key` (at most `max_tokens`) a request can continue
+        from: with a sliding-window pool, cut back to where its last window is whole."""
+        match = self.tree_cache.match_prefix(key, max_tokens=max_tokens)
+        if self.allocator.windowed and match.pages:
+            usable = self.allocator.usable_prefix(match.pages)
+            if usable < len(match.pages):
+                match = self.tree_cache.match_prefix(key, max_tokens=usable * self.page_size)
+        return match
 
     def take_prefix(self, req: Req, match: MatchResult) -> None:
         """Gives `req` a slot whose first pages are the matched (and locked) prefix."""
@@ -52,6 +75,15 @@ class KvBookkeeping:
         whole = req.cacheable(min(req.num_computed_tokens, len(known))) // ps
         if whole <= req.num_tree_pages:
             return
+        slide_window(self.allocator, pool, req)
+        if self.allocator.windowed:
+            # The tree's own pages for this prompt must have the twins this request's window
+            # still reads; where another request's copy lost them, keep ours (shared at
+            # release).
+            held = self.tree_cache.match_prefix(known[:whole * ps]).pages
+            window = held[self.allocator.slide_limit(req.num_computed_tokens):]
+            if self.allocator.live_pages(window) < len(window):
+                return
         pages = pool.pages(req.req_pool_idx).tolist()
         cached = self.tree_cache.insert(known[:whole * ps], pages[:whole]) // ps
         match = self.tree_cache.match_prefix(known[:whole * ps])
@@ -70,6 +102,7 @@ class KvBookkeeping:
             return
         pool, ps = self.req_to_token_pool, self.page_size
         align = ps if align is None else align
+        slide_window(self.allocator, pool, req)  # what the tree keeps: the last window's twins
         pages = pool.pages(req.req_pool_idx).tolist()
         known = req.cache_key(req.fill_ids)
         whole = req.cacheable(min(req.num_computed_tokens, len(known))) // align * align // ps
@@ -91,11 +124,12 @@ class KvBookkeeping:
         self.allocator.free(self.req_to_token_pool.truncate(req.req_pool_idx, num_pages))
 
     def free_after_eviction(self, need: int) -> int:
-        """Free pages, after evicting cached prefixes to reach `need` where they can."""
-        free = self.allocator.num_free
-        if need > free:
-            self.tree_cache.evict(need - free)
-        return self.allocator.num_free
+        """Pages `alloc` can give, after evicting cached prefixes to reach `need` where they
+        can (with a sliding-window pool, until both pools have them)."""
+        while need > self.allocator.num_allocatable:
+            if not self.tree_cache.evict(need - self.allocator.num_allocatable):
+                break
+        return self.allocator.num_allocatable
 
     def allocate(self, batch: ScheduleBatch) -> ScheduleBatch:
         """Gives `batch` its KV pages (evicting cached prefixes as needed); admission booked
@@ -104,15 +138,19 @@ class KvBookkeeping:
         self.free_after_eviction(need)
         if not batch.alloc_kv():
             raise RuntimeError(f"KV allocation of {need} pages failed after admission "
-                               f"(free {self.allocator.num_free}): scheduler bug")
+                               f"(allocatable {self.allocator.num_allocatable}): scheduler bug")
         return batch
 
     def memory_stats(self) -> dict[str, int]:
         """KV pages and request slots. `kv_pages_free` counts cached prefixes no request holds:
         they are evicted on demand."""
         pool = self.req_to_token_pool
-        return {"kv_pages_total": self.allocator.capacity,
-                "kv_pages_free": self.available_pages,
-                "kv_pages_cached": self.tree_cache.total_pages,
-                "req_slots_total": pool.num_slots,
-                "req_slots_free": pool.num_free_slots}
+        stats = {"kv_pages_total": self.allocator.capacity,
+                 "kv_pages_free": self.available_pages,
+                 "kv_pages_cached": self.tree_cache.total_pages,
+                 "req_slots_total": pool.num_slots,
+                 "req_slots_free": pool.num_free_slots}
+        if self.allocator.windowed:
+            stats.update(swa_kv_pages_total=self.allocator.swa_capacity,
+                         swa_kv_pages_free=self.available_swa_pages)
+        return stats

@@ -45,11 +45,18 @@ class PrefillBudget:
     tokens: int   # new tokens to compute this step
     reqs: int     # requests that may still join the running set
     pages: int    # KV pages: free + evictable, less what running requests are expected to need
+    # Sliding-window pages (free + evictable, less this step's decode pages); None: no such
+    # pool. Only a step's new pages count: a request's window slides as it decodes, so no
+    # future pages are set aside (mem_cache/swa_memory_pool.py).
+    swa_pages: int | None = None
 
-    def fits(self, extend_tokens: int, pages: int) -> bool:
-        return self.reqs > 0 and self.tokens > 0 and pages <= self.pages and extend_tokens > 0
+    def fits(self, extend_tokens: int, pages: int, swa_pages: int = 0) -> bool:
+        return (self.reqs > 0 and self.tokens > 0 and pages <= self.pages and extend_tokens > 0
+                and (self.swa_pages is None or swa_pages <= self.swa_pages))
 
-    def take(self, tokens: int, pages: int) -> None:
+    def take(self, tokens: int, pages: int, swa_pages: int = 0) -> None:
         self.tokens -= tokens
         self.reqs -= 1
         self.pages -= pages
+        if self.swa_pages is not None:
+            self.swa_pages -= swa_pages

@@ -231,10 +231,13 @@ class Scheduler:
             return None  # the common decode step: skip the page accounting below
         args = self.args
         reserved = sum(future_pages(r, self.page_size, self.new_token_ratio) for r in self.running)
+        decode_pages = self._decode_pages(decoding)
+        swa = self.kv.available_swa_pages
         budget = PrefillBudget(
             tokens=args.max_prefill_tokens - len(decoding),
             reqs=args.max_running_requests - len(self.running) - (self.chunked_req is not None),
-            pages=self.kv.available_pages - reserved - self._decode_pages(decoding))
+            pages=self.kv.available_pages - reserved - decode_pages,
+            swa_pages=None if swa is None else swa - decode_pages)
         reqs, lens = [], []
         partial = None  # the request this step leaves with its prompt unfinished: at most one
         if self.chunked_req is not None:
@@ -242,13 +245,15 @@ class Scheduler:
             n = min(req.seq_len - req.num_computed_tokens, self.chunk_size, budget.tokens)
             held = int(self.req_to_token_pool.num_pages[req.req_pool_idx])
             pages = pages_for(req.num_computed_tokens + n, self.page_size) - held
-            available = self.kv.available_pages - self._decode_pages(decoding)
-            if n <= 0 or pages > available:
+            available = self.kv.available_pages - decode_pages
+            if n <= 0 or pages > available or (swa is not None and pages > budget.swa_pages):
                 return None  # decoding requests must finish (or be retracted) first
             reqs.append(req)
             lens.append(n)
             budget.tokens -= n
             budget.pages -= pages
+            if swa is not None:
+                budget.swa_pages -= pages
             if req.num_computed_tokens + n < req.seq_len:
                 partial = req
         # Prompts admitted this step: an equal one waits a step to share its KV (n samples).
@@ -260,19 +265,21 @@ class Scheduler:
             prompt = self._shared_prompt_key(req)
             if prompt is not None and prompt in prompts:
                 break
-            match = self.tree_cache.match_prefix(req.cache_key(req.fill_ids),
-                                                 max_tokens=req.cacheable_prefix_limit)
+            match = self.kv.match(req.cache_key(req.fill_ids),
+                                  max_tokens=req.cacheable_prefix_limit)
             remaining = req.seq_len - match.num_tokens
             # A prompt longer than what is left of the budget is chunked to fill it (as SGLang
             # does): the step then runs in its bucket without padding tokens.
             n = min(remaining, self.chunk_size, budget.tokens)
-            pages = (pages_for(match.num_tokens + n, self.page_size) - len(match.pages)
-                     + future_pages(req, self.page_size, self.new_token_ratio))
+            new_pages = pages_for(match.num_tokens + n, self.page_size) - len(match.pages)
+            pages = new_pages + future_pages(req, self.page_size, self.new_token_ratio)
             # Locking the matched prefix takes its pages out of the evictable ones.
             evictable = self.tree_cache.evictable_pages
+            live = self.tree_cache.evictable_live_pages
             self.tree_cache.inc_lock_ref(match.node)
             pages += evictable - self.tree_cache.evictable_pages
-            if not budget.fits(n, pages):
+            swa_pages = new_pages + live - self.tree_cache.evictable_live_pages
+            if not budget.fits(n, pages, swa_pages):
                 self.tree_cache.dec_lock_ref(match.node)
                 break  # the head of the queue waits rather than being overtaken
             if not acquire_lora_slot(self.lora, req):
@@ -280,7 +287,7 @@ class Scheduler:
                 # a slot; requests of resident adapters (and the base) may go ahead.
                 self.tree_cache.dec_lock_ref(match.node)
                 continue
-            budget.take(n, pages)
+            budget.take(n, pages, swa_pages)
             self.kv.take_prefix(req, match)
             self.waiting.remove(req)
             reqs.append(req)

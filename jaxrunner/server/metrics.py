@@ -46,6 +46,8 @@ class ServerMetrics:
             "kv_cache_usage": "Fraction of KV pages in use",
             "kv_pages_free": "KV pages no request holds (free or evictable prefix cache)",
             "kv_pages_cached": "KV pages in the prefix cache",
+            # 0 for a model without a sliding-window pool (mem_cache/swa_memory_pool.py).
+            "swa_kv_pages_free": "Sliding-window KV pages no request holds (free or evictable)",
         }
         for name, doc in gauges.items():
             Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(

@@ -8,10 +8,12 @@ for a segment of one layer. A uniform run (a period of one layer) is a plain sca
 layers, the program models had before kinds existed.
 
 What a layer of one attention kind reads besides its weights is made once per step, outside
-the scans (`KindInputs`): its cos/sin tables (the kind's rope) and the attention backend with
-its window. The KV cache is one array [L, pages, ...] (every layer in one pool, windows
-masked); it threads through the scans flat ([L * pages, ...]: a free reshape) as loop state and
-is updated in place.
+the scans (`KindInputs`): its cos/sin tables (the kind's rope), the attention backend with its
+window, and the batch as its pages see it. The KV cache is one array [L, pages, ...] (every
+layer in one pool, windows masked), or with a sliding-window pool one run of both pools' pages
+(jaxrunner/mem_cache/kv_cache.py) whose windowed layers read the batch's `swa_page_table` and
+`swa_out_cache_loc`; it threads through the scans flat ([L * pages, ...]: a free reshape) as
+loop state and is updated in place.
 """
 
 from collections.abc import Callable
@@ -36,21 +38,29 @@ class KindInputs:
     cos: jax.Array
     sin: jax.Array
     backend: AttentionBackend
+    fb: ForwardBatch  # the step's batch, with the windowed pool's pages for windowed layers
+    meta: object      # the backend's metadata of `fb`
 
 
 class StepLayers:
     """A step's per-kind inputs for the layers of `cfg` (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, fb: ForwardBatch, kv_cache, backend: AttentionBackend):
-        self.fb = fb
         self.shape = kv_cache.shape
-        self.meta = backend.init_forward_metadata(fb)
+        meta = backend.init_forward_metadata(fb)
+        windowed_fb = windowed_meta = None
+        if fb.swa_page_table is not None:
+            windowed_fb = fb.windowed_pool()
+            windowed_meta = backend.init_forward_metadata(windowed_fb)
         self._inputs: dict[AttentionKind, KindInputs] = {}
         for kind in dict.fromkeys(cfg.attention_kinds):
             cos, sin = step_cos_sin(kind.rope or cfg.rope, cfg.head_dim, fb.positions)
             kind_backend = backend.for_layers(sliding_window=kind.sliding_window,
                                               num_layers=self.shape[0])
-            self._inputs[kind] = KindInputs(cos, sin, kind_backend)
+            own_pool = kind.sliding_window is not None and windowed_fb is not None
+            self._inputs[kind] = KindInputs(cos, sin, kind_backend,
+                                            windowed_fb if own_pool else fb,
+                                            windowed_meta if own_pool else meta)
 
     def flat(self, kv_cache) -> jax.Array:
         """The cache viewed as [layers * pages, ...] (a free reshape)."""
@@ -69,7 +79,7 @@ def attend_layer(layer, x, kind: AttentionKind, steps: StepLayers, flat: jax.Arr
     """Decoder layer `layer` (merged; global index `index`) of kind `kind` over `x` ->
     (x, the cache with its KV written, its routed counts or None)."""
     inputs = steps.inputs(kind)
-    return layer(x, inputs.cos, inputs.sin, flat, index, steps.fb, inputs.backend, steps.meta,
+    return layer(x, inputs.cos, inputs.sin, flat, index, inputs.fb, inputs.backend, inputs.meta,
                  valid, moe_runner, lora)
 
 

@@ -28,10 +28,15 @@ class CompileCounter:
 
 
 def all_pages_free(engine) -> bool:
-    """Every KV page and request slot is free once the prefix cache lets go of its pages."""
+    """Every KV page (of both pools, with a sliding-window one) and request slot is free once
+    the prefix cache lets go of its pages."""
     scheduler = engine.scheduler
-    return (engine.flush_cache() and scheduler.allocator.num_free == scheduler.allocator.capacity
-            and scheduler.req_to_token_pool.num_free_slots == scheduler.req_to_token_pool.num_slots)
+    allocator, slots = scheduler.allocator, scheduler.req_to_token_pool
+    if not (engine.flush_cache() and allocator.num_free == allocator.capacity
+            and slots.num_free_slots == slots.num_slots):
+        return False
+    return not allocator.windowed or (allocator.swa_num_free == allocator.swa_capacity
+                                      and not allocator.swa_of.any())
 
 
 def random_prompt(rng, engine, n: int) -> list[int]:
