@@ -101,7 +101,8 @@ class SwaPageAllocator(PageAllocator):
         live = self.swa_of[pages] != DUMMY_PAGE
         n = len(pages)
         while n > 0:
-            first = self.slide_limit(n * self.page_size)
+            # The first page holding a position the query at n * page_size sees.
+            first = max(0, n * self.page_size - self.window + 1) // self.page_size
             if live[first:n].all():
                 return n
             # Cut back to before the last dead page in the window: no shorter prefix whose
