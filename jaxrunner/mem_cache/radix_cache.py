@@ -48,7 +48,7 @@ from jaxrunner.mem_cache.memory_pool import PageAllocator
 class TreeNode:
     """A run of whole pages of tokens: `key` (token ids) and `pages` (their KV page ids)."""
 
-    __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access", "id", "live")
+    __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access", "id")
     _ids = itertools.count()
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: "TreeNode | None"):
@@ -59,9 +59,6 @@ class TreeNode:
         self.lock_ref = 0  # requests using this node or a descendant
         self.last_access = 0  # a tick of the cache's clock, for LRU eviction
         self.id = next(TreeNode._ids)  # breaks LRU ties deterministically
-        # Of `pages`, those with sliding-window twins (mem_cache/swa_memory_pool.py; a page's
-        # twin stays while the tree holds it): what evicting the node gives that pool.
-        self.live = 0
 
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, tokens={len(self.key)}, pages={self.pages}, "
@@ -91,7 +88,7 @@ class RadixCache:
         self._clock = 0
         self._evictable_pages = 0
         self._protected_pages = 0
-        self._evictable_live = 0
+        self._live = 0  # pages with sliding-window twins (mem_cache/swa_memory_pool.py)
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -125,7 +122,6 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable_pages -= len(node.pages)
                 self._protected_pages += len(node.pages)
-                self._evictable_live -= node.live
             node.lock_ref += 1
             node = node.parent
 
@@ -138,7 +134,6 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable_pages += len(node.pages)
                 self._protected_pages -= len(node.pages)
-                self._evictable_live += node.live
             node = node.parent
 
     # -- updates -------------------------------------------------------------------------------
@@ -164,10 +159,9 @@ class RadixCache:
             if child is None:
                 leaf = TreeNode(key[pos:], [int(p) for p in pages[pos // self.page_size:]], node)
                 leaf.last_access = tick
-                leaf.live = self.allocator.live_pages(leaf.pages)
                 node.children[leaf.key[:self.page_size]] = leaf
                 self._evictable_pages += len(leaf.pages)
-                self._evictable_live += leaf.live
+                self._live += self.allocator.live_pages(leaf.pages)
                 return pos
             matched = self._match_pages(child.key, key, pos)
             if matched < len(child.pages):
@@ -195,7 +189,6 @@ class RadixCache:
                 freed.extend(leaf.pages[-take:])
                 del leaf.pages[-take:]
                 leaf.key = leaf.key[:len(leaf.key) - take * self.page_size]
-                leaf.live = self.allocator.live_pages(leaf.pages)
                 break
             freed.extend(leaf.pages)
             parent = leaf.parent
@@ -203,7 +196,7 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self._evictable_pages -= len(freed)
-        self._evictable_live -= self.allocator.live_pages(freed)
+        self._live -= self.allocator.live_pages(freed)
         self.allocator.free(freed)
         return len(freed)
 
@@ -226,10 +219,27 @@ class RadixCache:
         return self._evictable_pages
 
     @property
-    def evictable_live_pages(self) -> int:
-        """Of `evictable_pages`, those with sliding-window twins: what evicting every unlocked
-        node gives the sliding-window pool."""
-        return self._evictable_live
+    def live_pages(self) -> int:
+        """Cached pages whose sliding-window twins the tree still keeps."""
+        return self._live
+
+    def reclaim_twins(self, num_pages: int, keep: set[int]) -> int:
+        """Gives back up to `num_pages` sliding-window twins of cached pages, least recently
+        used nodes first, never those of the pages in `keep` (inside a request's window); the
+        pages stay cached, matched only as far as their windows are whole. Returns how many
+        went back."""
+        if self.disable or num_pages <= 0 or not self._live:
+            return 0
+        taken: list[int] = []
+        for node in sorted(self._nodes(), key=lambda n: (n.last_access, n.id)):
+            twinned = self.allocator.twinned(node.pages)
+            taken.extend(p for p, t in zip(node.pages, twinned) if t and p not in keep)
+            if len(taken) >= num_pages:
+                break
+        taken = taken[:num_pages]
+        self.allocator.slide(taken)
+        self._live -= len(taken)
+        return len(taken)
 
     @property
     def protected_pages(self) -> int:
@@ -292,8 +302,6 @@ class RadixCache:
         upper = TreeNode(node.key[:cut], node.pages[:num_pages], node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
-        upper.live = self.allocator.live_pages(upper.pages)
-        node.live -= upper.live
         node.parent.children[node.key[:self.page_size]] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
         upper.children[node.key[:self.page_size]] = node

@@ -12,9 +12,11 @@ the dummy page). A step's windowed layers read `swa_of[page_table]`
 A request's pages get their windowed twins when they are allocated; once a whole page lies
 before every position the request's next queries can see (`slide`), its twin goes back to the
 windowed pool and the windowed layers read the dummy page there, which the window masks. Pages
-the radix cache holds keep their twins until the tree evicts them, so a cached prefix can be
-continued only where its last window is whole (`usable_prefix`, SGLang's SWA radix cache
-matching); where the twins of a cached prefix's tail are gone, the match is cut back.
+the radix cache holds keep their twins, so any prefix of what it holds can be continued, until
+the windowed pool runs short: then the twins of cached pages outside every request's window go
+back, least recently used first (RadixCache.reclaim_twins). A cached prefix is continued only
+where its last window is whole (`usable_prefix`, as SGLang's SWA radix cache matches); where the
+twins of its tail are gone, the match is cut back.
 
 Host only (numpy), like `memory_pool`.
 """
@@ -88,6 +90,10 @@ class SwaPageAllocator(PageAllocator):
     def live_pages(self, pages) -> int:
         """How many of `pages` have a windowed twin."""
         return int(np.count_nonzero(self.swa_of[np.asarray(pages, np.int32)]))
+
+    def twinned(self, pages) -> np.ndarray:
+        """bool per page of `pages`: whether it has a windowed twin."""
+        return self.swa_of[np.asarray(pages, np.int32)] != DUMMY_PAGE
 
     def slide_limit(self, num_tokens: int) -> int:
         """Pages of a request, from its first, that no query at position >= `num_tokens` sees:

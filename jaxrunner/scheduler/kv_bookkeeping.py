@@ -11,13 +11,14 @@ back to the allocator.
 With a sliding-window pool (mem_cache/swa_memory_pool.py) the same books hold: windowed twins
 come and go with their full pages, a request's own pages lose theirs as its window slides past
 (`slide_window`), and a cached prefix is matched only as far as its last window is whole
-(`match`).
+(`match`). The tree's pages keep their twins, so any prefix of what it holds can be continued,
+until the windowed pool runs short: then the twins of cached pages no request's window reads go
+back, least recently used first (`free_after_eviction`), like cache they are.
 """
 
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
 from jaxrunner.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from jaxrunner.mem_cache.radix_cache import MatchResult, RadixCache
-from jaxrunner.mem_cache.swa_memory_pool import slide_window
 
 
 class KvBookkeeping:
@@ -30,6 +31,8 @@ class KvBookkeeping:
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.page_size = page_size
+        # Requests holding pages of the tree, by slot: their windows keep those pages' twins.
+        self._holders: dict[int, Req] = {}
 
     @property
     def available_pages(self) -> int:
@@ -38,10 +41,30 @@ class KvBookkeeping:
 
     @property
     def available_swa_pages(self) -> int | None:
-        """Sliding-window pages free now or on demand; None without a sliding-window pool."""
+        """Sliding-window pages free now or on demand (twins of cached pages outside every
+        request's window); None without a sliding-window pool."""
         if not self.allocator.windowed:
             return None
-        return self.allocator.swa_num_free + self.tree_cache.evictable_live_pages
+        kept = self._windows()
+        kept_live = int(self.allocator.twinned(list(kept)).sum()) if kept else 0
+        return self.allocator.swa_num_free + self.tree_cache.live_pages - kept_live
+
+    def window_cost(self, match: MatchResult) -> int:
+        """Twins of the cached pages a request continuing `match` keeps from being reclaimed
+        (its window's; at most, where another request's window keeps some already)."""
+        if not self.allocator.windowed:
+            return 0
+        window = match.pages[self.allocator.slide_limit(match.num_tokens):]
+        return self.allocator.live_pages(window) if window else 0
+
+    def _windows(self) -> set[int]:
+        """The tree's pages inside the windows of the requests holding them."""
+        table, kept = self.req_to_token_pool.page_table, set()
+        for slot, req in self._holders.items():
+            first = self.allocator.slide_limit(req.num_computed_tokens)
+            if first < req.num_tree_pages:
+                kept.update(table[slot, first:req.num_tree_pages].tolist())
+        return kept
 
     def match(self, key, max_tokens: int | None = None) -> MatchResult:
         """The longest cached prefix of `key` (at most `max_tokens`) a request can continue
@@ -62,6 +85,8 @@ class KvBookkeeping:
         req.num_computed_tokens = match.num_tokens
         if req.num_retractions == 0:
             req.cached_tokens = match.num_tokens
+        if match.pages:
+            self._holders[req.req_pool_idx] = req
 
     def cache_prefilled(self, req: Req) -> None:
         """Shares a freshly prefilled prompt at once (SGLang's cache_unfinished_req): its whole
@@ -75,11 +100,9 @@ class KvBookkeeping:
         whole = req.cacheable(min(req.num_computed_tokens, len(known))) // ps
         if whole <= req.num_tree_pages:
             return
-        slide_window(self.allocator, pool, req)
         if self.allocator.windowed:
             # The tree's own pages for this prompt must have the twins this request's window
-            # still reads; where another request's copy lost them, keep ours (shared at
-            # release).
+            # still reads; where they went back, keep ours (shared at release).
             held = self.tree_cache.match_prefix(known[:whole * ps]).pages
             window = held[self.allocator.slide_limit(req.num_computed_tokens):]
             if self.allocator.live_pages(window) < len(window):
@@ -93,6 +116,7 @@ class KvBookkeeping:
         if req.prefix_node is not None:
             self.tree_cache.dec_lock_ref(req.prefix_node)
         req.prefix_node, req.num_tree_pages = match.node, whole
+        self._holders[req.req_pool_idx] = req
 
     def release(self, req: Req, align: int | None = None) -> None:
         """Returns a request's KV: the known tokens' whole multiples of `align` tokens (default:
@@ -102,7 +126,7 @@ class KvBookkeeping:
             return
         pool, ps = self.req_to_token_pool, self.page_size
         align = ps if align is None else align
-        slide_window(self.allocator, pool, req)  # what the tree keeps: the last window's twins
+        self._holders.pop(req.req_pool_idx, None)
         pages = pool.pages(req.req_pool_idx).tolist()
         known = req.cache_key(req.fill_ids)
         whole = req.cacheable(min(req.num_computed_tokens, len(known))) // align * align // ps
@@ -125,7 +149,11 @@ class KvBookkeeping:
 
     def free_after_eviction(self, need: int) -> int:
         """Pages `alloc` can give, after evicting cached prefixes to reach `need` where they
-        can (with a sliding-window pool, until both pools have them)."""
+        can (with a sliding-window pool, first the twins of cached pages outside every
+        request's window)."""
+        allocator = self.allocator
+        if allocator.windowed and need > allocator.swa_num_free:
+            self.tree_cache.reclaim_twins(need - allocator.swa_num_free, self._windows())
         while need > self.allocator.num_allocatable:
             if not self.tree_cache.evict(need - self.allocator.num_allocatable):
                 break

@@ -275,10 +275,9 @@ class Scheduler:
             pages = new_pages + future_pages(req, self.page_size, self.new_token_ratio)
             # Locking the matched prefix takes its pages out of the evictable ones.
             evictable = self.tree_cache.evictable_pages
-            live = self.tree_cache.evictable_live_pages
             self.tree_cache.inc_lock_ref(match.node)
             pages += evictable - self.tree_cache.evictable_pages
-            swa_pages = new_pages + live - self.tree_cache.evictable_live_pages
+            swa_pages = new_pages + self.kv.window_cost(match)
             if not budget.fits(n, pages, swa_pages):
                 self.tree_cache.dec_lock_ref(match.node)
                 break  # the head of the queue waits rather than being overtaken
@@ -435,6 +434,11 @@ class Scheduler:
                 if req not in self.running:
                     self.running.append(req)
                     self.kv.cache_prefilled(req)
+            elif self.kv.allocator.windowed:
+                # A chunk of a prompt: with a sliding-window pool its pages go to the prefix
+                # cache now, before the window passes them (a request's own pages lose their
+                # twins at once; the tree's keep them for any prefix of it, until reclaimed).
+                self.kv.cache_prefilled(req)
         return LaunchedBatch(batch, result, samples, {r.rid: i for i, r in enumerate(batch.reqs)},
                              prefixes)
 

@@ -97,3 +97,32 @@ def test_native_backend_serves_gemma(checkpoint, engine_kwargs):
         assert all_pages_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_the_window_pool_gives_the_masked_tokens_in_less_memory(checkpoint, engine_kwargs):
+    """tiny-gemma3 with its sliding-window KV pool (the default) and with every layer keeping
+    the whole context (`disable_hybrid_swa_memory`), at one `max_total_tokens`: the same greedy
+    tokens for prompts well past the window, and in the same memory the pool's engine holds
+    more tokens of context (its windowed layers keep only their windows)."""
+    path = str(checkpoint("tiny-gemma3"))
+    kwargs = dict(engine_kwargs, **SWA_ENGINE, max_total_tokens=4096)
+    pooled = Engine(model_path=path, **kwargs)
+    masked = Engine(model_path=path, **kwargs, disable_hybrid_swa_memory=True)
+    try:
+        assert masked.scheduler.allocator.windowed is False
+        allocator = pooled.scheduler.allocator
+        assert allocator.windowed and allocator.swa_capacity < allocator.capacity
+        assert allocator.capacity > masked.scheduler.allocator.capacity
+        pool, whole = pooled.runner.token_to_kv_pool, masked.runner.token_to_kv_pool
+        assert pool.bytes <= whole.bytes + 2 * whole.bytes // whole.shape[1]
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(3, pooled.model_config.vocab_size, size=n).tolist()
+                   for n in (40, 97, 150, 210)]
+        params = {"max_new_tokens": 48, "temperature": 0.0}
+        want = [o["output_ids"] for o in masked.generate(input_ids=prompts, sampling_params=params)]
+        got = [o["output_ids"] for o in pooled.generate(input_ids=prompts, sampling_params=params)]
+        assert got == want
+        assert all_pages_free(pooled) and all_pages_free(masked)
+    finally:
+        pooled.shutdown()
+        masked.shutdown()

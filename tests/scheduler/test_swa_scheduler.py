@@ -58,27 +58,42 @@ def test_windows_slide_through_chunks_and_decodes_in_a_small_pool(overlap):
     assert_both_pools_free(scheduler)
 
 
-def test_cached_prefixes_are_continued_only_where_their_window_is_whole():
-    worker = FakeSwaWorker.create(num_swa_pages=61, window=12, chunked_prefill_size=16)
+def _waves(num_swa_pages):
+    """Six requests, then three that extend them and three that share only their first 24
+    tokens; -> (the scheduler, the second wave, the tree's raw matches for it and what a
+    request may continue of them, both taken before the second wave runs)."""
+    worker = FakeSwaWorker.create(num_swa_pages=num_swa_pages, window=12, chunked_prefill_size=16)
     scheduler = Scheduler(worker)
     first = [make_req(p, 8) for p in random_prompts(6, 30, 70, seed=4)]
     _run(scheduler, first)
+    assert_reference(first)
     rng = np.random.default_rng(5)
-    # Extensions of the first prompts (their tail windows are cached), and prompts that share
-    # only an early part of one (cut inside the part whose twins slid away).
     second = [make_req(r.origin_input_ids + r.output_ids + rng.integers(0, 1000, 9).tolist(), 8)
               for r in first[:3]]
     second += [make_req(r.origin_input_ids[:24] + rng.integers(0, 1000, 20).tolist(), 8)
                for r in first[3:]]
+    raw = [scheduler.tree_cache.match_prefix(r.origin_input_ids,
+                                             max_tokens=r.cacheable_prefix_limit).num_tokens
+           for r in second]
+    usable = [scheduler.kv.match(r.origin_input_ids, r.cacheable_prefix_limit).num_tokens
+              for r in second]
     _run(scheduler, second)
-    assert_reference(first + second)
-    cached = [r.cached_tokens for r in second]
-    assert max(cached[:3]) >= 32, cached  # the long cached prefixes were continued
-    # The tree holds the first 24 tokens of these, but their twins slid away when the longer
-    # first prompts moved on: no window of them is whole, so nothing is continued.
-    assert all(len(r.origin_input_ids) >= 30 for r in first[3:])
-    assert [r.cached_tokens for r in second[3:]] == [0, 0, 0]
+    assert_reference(second)
     assert_both_pools_free(scheduler)
+    return second, raw, usable
+
+
+def test_any_cached_prefix_is_continued_while_the_pool_has_room():
+    second, raw, usable = _waves(num_swa_pages=200)
+    assert min(raw) >= 24 and usable == raw
+    assert [r.cached_tokens for r in second] == raw
+
+
+def test_a_short_pool_reclaims_cached_twins_and_cuts_matches_to_whole_windows():
+    second, raw, usable = _waves(num_swa_pages=31)
+    assert min(raw) >= 24
+    assert any(u < m for u, m in zip(usable, raw)), (usable, raw)  # twins went back
+    assert all(r.cached_tokens <= u for r, u in zip(second, usable))
 
 
 def test_pressure_on_the_full_pages_retracts_and_loses_nothing():
