@@ -12,6 +12,11 @@ tokens equal the first configuration's.
     python scripts/bench_ab.py --variant '{}' --variant '{"enable_mixed_chunk": true}' \\
         --rounds 4 --num-prompts 100 --input-len 16 128 --output-len 8 96
     python scripts/bench_ab.py --variant '{}' --variant '{"disable_overlap_schedule": true}'
+    python scripts/bench_ab.py --preset small-gemma3 --num-prompts 12 --input-len 4096 8192 \
+        --output-len 128 128 --rounds 2 \
+        --variant '{"max_total_tokens": 24576, "max_running_requests": 12}' \
+        --variant '{"max_total_tokens": 24576, "max_running_requests": 12,
+                    "disable_hybrid_swa_memory": true}'
 
 A variant is a JSON object of `Engine` arguments on top of the defaults (what
 `Engine(model_path=...)` runs with); the engines of all variants are alive at once, so each
@@ -37,7 +42,10 @@ from models.testing.random_checkpoint import cached_checkpoint  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", help="HF checkpoint dir (default: the built-in small model)")
+    p.add_argument("--model-path", help="HF checkpoint dir (default: --preset's)")
+    p.add_argument("--preset", default="small",
+                   help="a built-in random checkpoint (models/testing/presets.py), made on first "
+                        "use: small (the default model), small-gemma3, ...")
     p.add_argument("--variant", action="append", required=True, type=json.loads,
                    help="a JSON object of Engine arguments; give two or more")
     p.add_argument("--rounds", type=int, default=3)
@@ -58,7 +66,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model_path = args.model_path or str(cached_checkpoint("small", ROOT / "checkpoints"))
+    model_path = args.model_path or str(cached_checkpoint(args.preset, ROOT / "checkpoints"))
     engines = []
     try:
         for variant in args.variant:
