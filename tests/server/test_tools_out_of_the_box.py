@@ -1,10 +1,11 @@
 """Tools with no server flags (issue 34): a model whose chat template writes tools in Qwen's
 format (`<tool_call>`) gets the hermes parser without --tool-call-parser, and the openai SDK's
-tool round trip and langchain's `bind_tools` work end to end. The random model is steered to
+tool round trip, langchain's `bind_tools` and litellm's tools work end to end. The random model is steered to
 write a call with SGLang's `regex` field (a random model writes none on its own); the parsing,
 the template's tool rendering and the clients' handling are what is tested. In-process: the
 clients talk to the app through Starlette's TestClient (an httpx client)."""
 
+import json
 import re
 
 import pytest
@@ -106,3 +107,28 @@ def test_langchain_bind_tools_end_to_end(app_client):
                                         max_tokens=5)
     final = plain.bind_tools([get_weather]).invoke(messages)
     assert isinstance(final.content, str)
+
+
+def test_litellm_tools_end_to_end(app_client, monkeypatch):
+    """litellm's OpenAI-compatible provider (`openai/<model>` with an api_base), as its users
+    point it at a server: a tool call parsed from the reply, and the round trip back."""
+    # Its model price list from the installed package, not the network.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm = pytest.importorskip("litellm")
+    import openai
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x",
+                           http_client=app_client, max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    common = dict(model="openai/qwen", api_base="http://testserver/v1", api_key="x",
+                  client=client, tools=[WEATHER])
+    r = litellm.completion(messages=messages, extra_body=STEER, **common)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
+    after = litellm.completion(messages=messages, max_tokens=5, **common)
+    assert isinstance(after.choices[0].message.content, str)
+    assert after.usage.completion_tokens <= 5
