@@ -59,7 +59,9 @@ def stack_worker_batches(workers: list[ModelWorkerBatch], prev_tokens: jax.Array
     """The ranks' padded batches -> one ForwardBatch and SamplingBatch with a leading [dp] axis,
     moved to the devices in one transfer (each rank's row to its own devices). `input_embeds`
     is the ranks' override buffer [dp, C, D] (`ModelRunner.input_embeds_for`)."""
-    host = ({name: np.stack([getattr(w, name) for w in workers]) for name in WORKER_BATCH_FIELDS},
+    # A field no rank has (a sliding-window pool's, which DP attention keeps none of) stays None.
+    host = ({name: None if getattr(workers[0], name) is None
+             else np.stack([getattr(w, name) for w in workers]) for name in WORKER_BATCH_FIELDS},
             jax.tree.map(lambda *xs: np.stack(xs), *[w.sampling for w in workers]))
     arrays, sampling = jax.device_put(host, sharding)
     bucket = workers[0].bucket

@@ -27,7 +27,7 @@ def prefill_logits(engine, prompts, overrides=None):
             for i, (p, o) in enumerate(zip(prompts, overrides))]
     batch = ScheduleBatch(reqs, ForwardMode.EXTEND, [len(p) for p in prompts],
                           scheduler.req_to_token_pool, scheduler.allocator, engine.args.page_size)
-    assert batch.alloc_kv()
+    scheduler.kv.allocate(batch)  # as the scheduler does: evicting (reclaiming) cached KV first
     worker_batch = batch.get_model_worker_batch(
         worker.pick_bucket(ForwardMode.EXTEND, batch.num_tokens, len(reqs)))
     worker_batch.capture_hidden_mode = CaptureHiddenMode.FULL
