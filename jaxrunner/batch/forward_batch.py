@@ -167,10 +167,6 @@ class ForwardBatch:
         table and KV slots in place of the full layers'."""
         return self.replace(page_table=self.swa_page_table, out_cache_loc=self.swa_out_cache_loc)
 
-    def without_windowed_pool(self) -> "ForwardBatch":
-        """This batch for a runner without a sliding-window pool (a draft model's)."""
-        return self.replace(swa_page_table=None, swa_out_cache_loc=None)
-
 
 # The fields a ForwardBatch uploads from its ModelWorkerBatch, and the axes of each.
 WORKER_BATCH_FIELDS: dict[str, tuple[str, ...]] = {

@@ -195,25 +195,21 @@ def plan_swa(args: EngineArgs, sharded: ModelConfig, windowed: tuple[bool, ...],
     swa_per_token = sum(windowed) * layer_bytes
     full_per_token = per_token - swa_per_token
     ratio = args.swa_full_tokens_ratio
-    swa_tokens = full = None
     if ratio is None:
-        need = running * (window + 2 * ps) + prefill + ps
-        full = (budget_bytes - need * swa_per_token) // full_per_token
-        if full >= need:
-            swa_tokens = need
-        else:
-            ratio = 1.0
-    if swa_tokens is None:
-        full = int(budget_bytes // (full_per_token + ratio * swa_per_token))
-        swa_tokens = int(full * ratio)
+        swa_tokens = running * (window + 2 * ps) + prefill + ps
+        full = (budget_bytes - swa_tokens * swa_per_token) // full_per_token
+        if full >= swa_tokens:
+            return full, SwaPlan(windowed, window, swa_tokens // ps + 1, swa_per_token)
+        ratio = 1.0
+    full = int(budget_bytes // (full_per_token + ratio * swa_per_token))
+    swa_tokens = int(full * ratio)
     one_request = (args.chunked_prefill_size or prefill) + window + 2 * ps
-    if args.swa_full_tokens_ratio is not None and swa_tokens < one_request:
+    if ratio < 1 and swa_tokens < one_request:
         raise KvCapacityError(
             f"swa_full_tokens_ratio={args.swa_full_tokens_ratio} leaves the sliding-window pool "
             f"{swa_tokens} tokens, fewer than one request's prefill chunk and window take "
             f"({one_request}); raise it")
-    swa = SwaPlan(windowed, window, swa_tokens // ps + 1, swa_per_token)
-    return full, swa
+    return full, SwaPlan(windowed, window, swa_tokens // ps + 1, swa_per_token)
 
 
 def estimate_program_temp(sharded: ModelConfig, tp_size: int, max_prefill_tokens: int,

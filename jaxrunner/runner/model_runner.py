@@ -415,8 +415,6 @@ class ModelRunner:
         residual stream and layer range). A mode no program runs raises
         ForwardModeNotImplemented. Updates the KV cache in place (donated)."""
         self._check_serving()
-        if fb.swa_page_table is not None and not self.inputs.windowed:
-            fb = fb.without_windowed_pool()  # a draft's step over its target's batch
         return self.steps.run(fb, *operands)
 
     def _check_serving(self) -> None:

@@ -91,8 +91,10 @@ class KvBookkeeping:
     def cache_prefilled(self, req: Req) -> None:
         """Shares a freshly prefilled prompt at once (SGLang's cache_unfinished_req): its whole
         pages go into the prefix cache, so requests with the same prefix that arrive while this
-        one still decodes reuse them. Where the tree already held some of them (another request
-        got there first), the request switches to the tree's pages and frees its duplicates."""
+        one still decodes reuse them (with a sliding-window pool, each chunk of a prompt as it
+        is computed, before its window passes it). Where the tree already held some of them
+        (another request got there first), the request switches to the tree's pages and frees
+        its duplicates."""
         if self.tree_cache.disable:
             return
         pool, ps = self.req_to_token_pool, self.page_size

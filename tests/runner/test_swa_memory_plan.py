@@ -14,7 +14,7 @@ from models.config import ModelConfig
 from models.testing.random_checkpoint import hf_config
 from tests.support.fake_swa_worker import FakeSwaWorker
 from tests.support.fake_worker import FakeWorker
-from tests.support.scheduler import assert_reference, make_req, random_prompts
+from tests.support.scheduler import assert_reference, make_req, random_prompts, run_all
 
 # Gemma 3 27B's config.json (the attention and the sizes the plan reads).
 GEMMA3_27B = ModelConfig.from_dict(dict(
@@ -52,14 +52,9 @@ def test_the_pool_takes_what_the_windows_need_and_the_full_layers_the_rest():
 def _peak_running(worker) -> tuple[int, list]:
     scheduler = Scheduler(worker)
     reqs = [make_req(p, 4) for p in random_prompts(24, LONG - 64, LONG, seed=7)]
-    for req in reqs:
-        scheduler.add_request(req)
-    peak = 0
-    while scheduler.has_work:
-        scheduler.step()
-        peak = max(peak, len(scheduler.running))
-    scheduler.step()
-    return peak, reqs
+    running = []
+    run_all(scheduler, reqs, after_step=lambda: running.append(len(scheduler.running)))
+    return max(running), reqs
 
 
 def test_32k_requests_at_once_with_the_pool_and_without():

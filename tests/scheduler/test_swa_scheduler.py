@@ -11,7 +11,13 @@ from jaxrunner.mem_cache.memory_pool import DUMMY_PAGE
 from jaxrunner.mem_cache.swa_memory_pool import SwaPageAllocator
 from jaxrunner.scheduler.scheduler import Scheduler
 from tests.support.fake_swa_worker import FakeSwaWorker
-from tests.support.scheduler import assert_all_free, assert_reference, make_req, random_prompts
+from tests.support.scheduler import (
+    assert_all_free,
+    assert_reference,
+    make_req,
+    random_prompts,
+    run_all,
+)
 
 
 def assert_both_pools_free(scheduler) -> None:
@@ -21,24 +27,16 @@ def assert_both_pools_free(scheduler) -> None:
     assert not allocator.swa_of.any()
 
 
-def _run(scheduler, reqs, *, peak=None, max_steps=20_000):
-    for req in reqs:
-        scheduler.add_request(req)
-    for _ in range(max_steps):
-        if not scheduler.has_work:
-            break
-        scheduler.step()
-        if peak is not None:
-            peak.append(len(scheduler.running))
-            allocator = scheduler.allocator
-            # A request holds twins for its window and its last step's tokens only.
-            step = scheduler.args.chunked_prefill_size or scheduler.args.max_prefill_tokens
-            for req in scheduler.running:
-                pages = scheduler.req_to_token_pool.pages(req.req_pool_idx)
-                live = allocator.live_pages(pages[req.num_tree_pages:])
-                assert live <= -(-(allocator.window + step) // allocator.page_size) + 2
-    assert not scheduler.has_work
-    scheduler.step()
+def _check_windows(scheduler, peak):
+    """After a step: the running count into `peak`, and each request holding twins for its
+    window and its last step's tokens only."""
+    peak.append(len(scheduler.running))
+    allocator = scheduler.allocator
+    step = scheduler.args.chunked_prefill_size or scheduler.args.max_prefill_tokens
+    for req in scheduler.running:
+        pages = scheduler.req_to_token_pool.pages(req.req_pool_idx)
+        live = allocator.live_pages(pages[req.num_tree_pages:])
+        assert live <= -(-(allocator.window + step) // allocator.page_size) + 2
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -49,7 +47,7 @@ def test_windows_slide_through_chunks_and_decodes_in_a_small_pool(overlap):
     scheduler = Scheduler(worker)
     reqs = [make_req(p, 80) for p in random_prompts(16, 5, 90, seed=3)]
     peak = []
-    _run(scheduler, reqs, peak=peak)
+    run_all(scheduler, reqs, after_step=lambda: _check_windows(scheduler, peak))
     assert_reference(reqs)
     # Each request at its end holds far more than the pool: the pages slid.
     longest = max(len(r.origin_input_ids) + r.max_new_tokens for r in reqs)
@@ -65,7 +63,7 @@ def _waves(num_swa_pages):
     worker = FakeSwaWorker.create(num_swa_pages=num_swa_pages, window=12, chunked_prefill_size=16)
     scheduler = Scheduler(worker)
     first = [make_req(p, 8) for p in random_prompts(6, 30, 70, seed=4)]
-    _run(scheduler, first)
+    run_all(scheduler, first)
     assert_reference(first)
     rng = np.random.default_rng(5)
     second = [make_req(r.origin_input_ids + r.output_ids + rng.integers(0, 1000, 9).tolist(), 8)
@@ -77,7 +75,7 @@ def _waves(num_swa_pages):
            for r in second]
     usable = [scheduler.kv.match(r.origin_input_ids, r.cacheable_prefix_limit).num_tokens
               for r in second]
-    _run(scheduler, second)
+    run_all(scheduler, second)
     assert_reference(second)
     assert_both_pools_free(scheduler)
     return second, raw, usable
@@ -101,7 +99,7 @@ def test_pressure_on_the_full_pages_retracts_and_loses_nothing():
                                   schedule_conservativeness=0.0, max_running_requests=12)
     scheduler = Scheduler(worker)
     reqs = [make_req(p, 24) for p in random_prompts(12, 10, 30, seed=1)]
-    _run(scheduler, reqs)
+    run_all(scheduler, reqs)
     assert scheduler.num_retractions > 0
     assert_reference(reqs)
     assert_both_pools_free(scheduler)

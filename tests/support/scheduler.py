@@ -26,14 +26,17 @@ def random_prompts(n, lo, hi, seed=0) -> list[list[int]]:
     return [rng.integers(0, 1000, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
-def run_all(scheduler, reqs, max_steps=10_000) -> None:
-    """Adds `reqs` and steps until the scheduler has no work (at most `max_steps`)."""
+def run_all(scheduler, reqs, max_steps=10_000, after_step=None) -> None:
+    """Adds `reqs` and steps until the scheduler has no work (at most `max_steps`), calling
+    `after_step()` after each step where given."""
     for req in reqs:
         scheduler.add_request(req)
     for _ in range(max_steps):
         if not scheduler.has_work:
             break
         scheduler.step()
+        if after_step is not None:
+            after_step()
     assert not scheduler.has_work, "the scheduler did not finish"
     scheduler.step()  # read back a step still in flight (overlap)
 
