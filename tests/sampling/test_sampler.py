@@ -7,7 +7,8 @@ from scipy import stats
 import pytest
 
 from jaxrunner.sampling.params import SamplingParams
-from jaxrunner.sampling.sampler import SamplingBatch, abstract_sampling_batch, sample
+from jaxrunner.sampling.sampler import (SamplingBatch, abstract_sampling_batch, filter_logits,
+                                       sample)
 
 R = 16  # the padded batch size of most tests: one executable for all of them
 V = 12
@@ -189,6 +190,36 @@ def test_random_params_only_draw_kept_tokens():
                 p, top_p=min(1.0, p.top_p + 1e-4), min_p=max(0.0, p.min_p - 1e-4)
             )
             assert reference_keep(logits[row], loose)[token], (row, p, token)
+
+
+@pytest.mark.parametrize("vocab", [V, 1000])
+def test_filter_keeps_the_reference_set(vocab):
+    """The sort-free cut-offs against the float64 reference with ranks, on random rows, some with
+    -inf entries (as a grammar mask leaves them): the kept set lies between what the reference
+    keeps with slightly tighter and slightly looser top_p / min_p (float32 sums at a cut-off)."""
+    rng = np.random.default_rng(11)
+    n = 64
+    logits = random_logits(n, vocab, seed=12, scale=float(rng.choice([0.5, 3.0])))
+    for row in range(0, n, 5):
+        logits[row, rng.choice(vocab, vocab // 3, replace=False)] = -np.inf
+    params = [SamplingParams(temperature=float(rng.choice([0.3, 1.0, 2.0])),
+                             top_k=int(rng.choice([-1, 2, 5, vocab // 2, vocab, vocab + 3])),
+                             top_p=float(rng.choice([1.0, 0.95, 0.5, 0.1, 1e-6])),
+                             min_p=float(rng.choice([0.0, 0.05, 0.5])))
+              for _ in range(n)]
+    batch = SamplingBatch.from_params(params, [0] * n, [0] * n, n)
+    scaled = logits / batch.temperatures[:, None]
+    kept = np.isfinite(np.asarray(jax.jit(filter_logits)(jnp.asarray(scaled),
+                                                         jax.device_put(batch))))
+    for row, p in enumerate(params):
+        finite = np.isfinite(logits[row])
+        tight = dataclasses.replace(p, top_p=max(1e-7, p.top_p - 1e-4), min_p=p.min_p + 1e-4)
+        loose = dataclasses.replace(p, top_p=min(1.0, p.top_p + 1e-4),
+                                    min_p=max(0.0, p.min_p - 1e-4))
+        assert kept[row].any(), (row, p)
+        assert np.all(kept[row] <= finite), (row, p)
+        assert np.all(reference_keep(logits[row], tight) & finite <= kept[row]), (row, p)
+        assert np.all(kept[row] <= reference_keep(logits[row], loose)), (row, p)
 
 
 def test_padded_rows_are_greedy_and_poison_does_not_leak():
