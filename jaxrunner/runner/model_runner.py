@@ -47,7 +47,8 @@ from jaxrunner.runner.lm_step import LogitsOutput
 from jaxrunner.runner.memory_tags import check_memory_tags
 from jaxrunner.runner.model_layout import abstract_weights, load_weights
 from jaxrunner.runner.model_weights import ModelWeights
-from jaxrunner.runner.run_plan import RunPlan, fit_memory_to_programs, plan_run
+from jaxrunner.runner.run_plan import (RunPlan, fit_memory_to_programs, plan_run,
+                                       sized_from_programs)
 from jaxrunner.runner.step_programs import StepModel, StepShapes, step_programs
 from jaxrunner.sampling.batch import SlotEntry, SlotInit
 from jaxrunner.sampling.penalties import (
@@ -210,10 +211,13 @@ class ModelRunner:
                                  self.parallel, windowed=self.run_plan.memory.swa is not None)
         self.input_embeds_shape = residual.shape
 
-    def precompile(self) -> None:
+    def precompile(self, probe: bool = True) -> None:
         """Compiles every bucket's step and sampler ahead of time (SGLang: CUDA-graph capture),
         several at once. With a `lowering_target`, only builds the programs (`export_step`
-        lowers them one at a time)."""
+        lowers them one at a time). Where the KV cache is sized from the programs' temporaries
+        (`probe`), the largest program of each kind compiles first, and a KV cache they do not
+        leave room for (or leave more than planned) is planned again before the rest compile,
+        not after (one compile of each program, not two)."""
         self._build_programs()
         if self.lowering_target is not None:
             return
@@ -223,7 +227,26 @@ class ModelRunner:
         self.compiler.open_cache(None if self.run_plan.compile_target else
                                  self.args.compilation_cache_path, self._program_fingerprint())
         sizes = self.programs.sample_sizes()
-        jobs = self.steps.jobs() + [partial(self._compile_sampler, size) for size in sizes]
+        largest = {}  # per mode, its bucket of the most tokens, then requests
+        for bucket in self.buckets:
+            best = largest.get(bucket.mode)
+            if best is None or (bucket.num_tokens, bucket.num_reqs) > (best.num_tokens,
+                                                                        best.num_reqs):
+                largest[bucket.mode] = bucket
+        steps = self.steps.jobs()
+        probes = ([job for bucket, job in zip(self.buckets, steps)
+                   if largest[bucket.mode] is bucket]
+                  + [partial(self._compile_sampler, max(sizes))] * bool(sizes))
+        if probe and probes and sized_from_programs(self.run_plan):
+            self.compiler.compile_all(probes)
+            if self._refit_kv_to_programs():
+                self.precompile(probe=False)
+                return
+        else:
+            probes = []
+        jobs = [job for job in steps if job not in probes] + [
+            partial(self._compile_sampler, size) for size in sizes
+            if not (probes and size == max(sizes))]
         if sizes:  # a runner that samples keeps the request slots' sampling state
             jobs.append(self._compile_slot_init)
         if self.lora_pool is not None:
@@ -246,14 +269,19 @@ class ModelRunner:
     def fit_kv_to_programs(self) -> None:
         """On a TPU or GPU whose KV cache is sized from its memory: the cache is sized again
         from the compiled programs' largest temporaries (`memory_analysis`) where they differ
-        from what the plan estimated, and its programs compiled again (run_plan.py:
-        `fit_memory_to_programs`)."""
-        if self.lowering_target is not None:
-            return
+        from what the plan kept aside by more than the slack, and its programs compiled again
+        (run_plan.py: `fit_memory_to_programs`). After `precompile`'s probes this is rare: a
+        program other than the largest of its kind needing the most."""
+        if self.lowering_target is None and self._refit_kv_to_programs():
+            self.precompile(probe=False)
+
+    def _refit_kv_to_programs(self) -> bool:
+        """The KV cache planned again from the temporaries of the programs compiled so far,
+        where they call for it; True when it was (the programs must then compile again)."""
         plan = fit_memory_to_programs(self.run_plan, self.compiler.max_temp_bytes)
         if plan is None:
-            return
-        logger.info("the compiled programs need %.2f GiB of temporaries (%.2f GiB estimated): "
+            return False
+        logger.info("the compiled programs need %.2f GiB of temporaries (%.2f GiB kept aside): "
                     "KV cache of %d tokens instead of %d", self.compiler.max_temp_bytes / 2**30,
                     self.run_plan.memory.program_temp / 2**30, plan.memory.max_total_tokens,
                     self.max_total_tokens)
@@ -262,7 +290,7 @@ class ModelRunner:
         self._read_memory_plan(plan)
         self.init_memory_pool()
         self.init_step_programs()
-        self.precompile()
+        return True
 
     def _build_programs(self) -> None:
         """The jitted steps and sampler every bucket's executable is lowered from."""

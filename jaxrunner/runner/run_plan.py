@@ -124,13 +124,19 @@ def plan_run(args: EngineArgs, model_config: ModelConfig, *,
                    abstract or target is not None, lowering_target, compile_target)
 
 
+def sized_from_programs(plan: RunPlan) -> bool:
+    """Whether `plan`'s KV cache is sized from the memory its programs leave (a TPU or GPU, no
+    `max_total_tokens`), and so may be planned again once they are compiled."""
+    return plan.memory.budget is not None and plan.platform != "cpu"
+
+
 def fit_memory_to_programs(plan: RunPlan, program_temp: int) -> RunPlan | None:
     """The plan again with the compiled programs' largest temporaries kept aside, when they
     differ from what `plan` kept (its estimate) by more than `REFIT_SLACK` of the memory, on a
     TPU or GPU whose KV cache is sized from its memory; else None. The limits stay; the KV
     cache grows or shrinks. Raises ValueError when nothing is left for it."""
     memory = plan.memory
-    if memory.budget is None or plan.platform == "cpu":
+    if not sized_from_programs(plan):
         return None
     # Within 1% of the memory of what was kept aside: not worth compiling again.
     if abs(program_temp - memory.program_temp) <= REFIT_SLACK * memory.device.memory:

@@ -14,6 +14,8 @@ import pytest
 
 from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.config import EngineArgs
+from jaxrunner.runner import memory_plan
+from jaxrunner.runner.compiler import Compiler
 from jaxrunner.runner.model_runner import compile_for_target
 from jaxrunner.speculative.plan import SpeculativePlan
 from kernels_pallas.targets import H100, TPU_V5E, TPU_V6E
@@ -65,14 +67,32 @@ def _case_id(case) -> str:
     return f"{target.name}-tp{tp}-{preset}" + (f"-{features}" if features else "")
 
 
+def _counted_compiles(monkeypatch) -> list:
+    """A list that gets an entry per program compiled from now on."""
+    compiles = []
+    compile_one = Compiler._compile
+    monkeypatch.setattr(Compiler, "_compile",
+                        lambda self, lower: compiles.append(1) or compile_one(self, lower))
+    return compiles
+
+
+def _compiled_about_once(runner, compiles: list) -> bool:
+    """Each program compiled once; where the KV cache was planned again from the compiled
+    temporaries, only the largest program of each kind (and the largest sampler) before it."""
+    modes = {bucket.mode for bucket in runner.buckets}
+    return len(compiles) <= len(runner.compiler.reports) + len(modes) + 1
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_every_program_of_the_engine_compiles(case):
+def test_every_program_of_the_engine_compiles(case, monkeypatch):
     target, tp, preset, extra, speculative = case
     skip_without_compiler(target)
     args = EngineArgs(**SMALL, **extra, tp_size=tp)
+    compiles = _counted_compiles(monkeypatch)
     runner = compile_for_target(args, _model_config(preset, target), target, num_chips=tp,
                                 speculative=speculative)
     reports = runner.compiler.reports
+    assert _compiled_about_once(runner, compiles)
     failed = {name: r.error for name, r in reports.items() if not r.ok}
     assert not failed
     steps = [name for name in reports if name.startswith("step ")]
@@ -96,3 +116,18 @@ def test_every_program_of_the_engine_compiles(case):
     if speculative is not None:
         assert any(b.mode == ForwardMode.TARGET_VERIFY for b in runner.buckets)
 
+
+
+def test_a_wrong_estimate_of_temporaries_is_corrected_before_the_programs_compile(monkeypatch):
+    """The estimate of the programs' temporaries 2 GiB too large: the KV cache is planned again
+    from the largest programs' compiled temporaries before the others compile (so each
+    program compiles once, not once per plan), and keeps aside what the compiler reported."""
+    skip_without_compiler(H100)
+    monkeypatch.setattr(memory_plan, "estimate_program_temp", lambda *args: 2 * 2**30)
+    compiles = _counted_compiles(monkeypatch)
+    runner = compile_for_target(EngineArgs(**SMALL), _model_config("tiny-llama", H100), H100,
+                                num_chips=1)
+    memory = runner.run_plan.memory
+    assert memory.program_temp < 2**30
+    assert abs(memory.program_temp - runner.compiler.max_temp_bytes) <= 0.01 * H100.hbm_bytes()
+    assert _compiled_about_once(runner, compiles)
