@@ -125,8 +125,8 @@ def test_a_wrong_estimate_of_temporaries_is_corrected_before_the_programs_compil
     skip_without_compiler(H100)
     monkeypatch.setattr(memory_plan, "estimate_program_temp", lambda *args: 2 * 2**30)
     compiles = _counted_compiles(monkeypatch)
-    runner = compile_for_target(EngineArgs(**SMALL), _model_config("tiny-llama", H100), H100,
-                                num_chips=1)
+    args = EngineArgs(**dict(SMALL, max_running_requests=2, max_prefill_tokens=32))
+    runner = compile_for_target(args, _model_config("tiny-llama", H100), H100, num_chips=1)
     memory = runner.run_plan.memory
     assert memory.program_temp < 2**30
     assert abs(memory.program_temp - runner.compiler.max_temp_bytes) <= 0.01 * H100.hbm_bytes()
