@@ -227,26 +227,19 @@ class ModelRunner:
         self.compiler.open_cache(None if self.run_plan.compile_target else
                                  self.args.compilation_cache_path, self._program_fingerprint())
         sizes = self.programs.sample_sizes()
-        largest = {}  # per mode, its bucket of the most tokens, then requests
-        for bucket in self.buckets:
-            best = largest.get(bucket.mode)
-            if best is None or (bucket.num_tokens, bucket.num_reqs) > (best.num_tokens,
-                                                                        best.num_reqs):
-                largest[bucket.mode] = bucket
-        steps = self.steps.jobs()
-        probes = ([job for bucket, job in zip(self.buckets, steps)
-                   if largest[bucket.mode] is bucket]
-                  + [partial(self._compile_sampler, max(sizes))] * bool(sizes))
-        if probe and probes and sized_from_programs(self.run_plan):
-            self.compiler.compile_all(probes)
+        steps = dict(zip(self.buckets, self.steps.jobs()))
+        samplers = {size: partial(self._compile_sampler, size) for size in sizes}
+        if probe and sized_from_programs(self.run_plan):
+            # Per mode its bucket of the most tokens (then requests), and the largest sampler.
+            modes = {bucket.mode for bucket in self.buckets}
+            largest = [max((b for b in self.buckets if b.mode == mode),
+                           key=lambda b: (b.num_tokens, b.num_reqs)) for mode in modes]
+            self.compiler.compile_all([steps.pop(b) for b in largest]
+                                      + [samplers.pop(max(sizes))] * bool(sizes))
             if self._refit_kv_to_programs():
                 self.precompile(probe=False)
                 return
-        else:
-            probes = []
-        jobs = [job for job in steps if job not in probes] + [
-            partial(self._compile_sampler, size) for size in sizes
-            if not (probes and size == max(sizes))]
+        jobs = [*steps.values(), *samplers.values()]
         if sizes:  # a runner that samples keeps the request slots' sampling state
             jobs.append(self._compile_slot_init)
         if self.lora_pool is not None:

@@ -17,8 +17,9 @@ Reference semantics, per row r with raw logits `x` (f32[V]):
 - logprob = log_softmax(x)[token]: the model's own distribution, before temperature and filters.
 
 Speed: the filters' passes over the vocabulary (`filter_logits`) are skipped with `lax.cond`
-when no sampled row has a filter on, and all random sampling is skipped when every row is greedy. The predicates
-are array values, so one executable per batch shape serves every mix.
+when no sampled row has a filter on (each of top-k's and top-p's when no row has it on), and all
+random sampling is skipped when every row is greedy. The predicates are array values, so one
+executable per batch shape serves every mix.
 """
 
 from __future__ import annotations
@@ -111,8 +112,10 @@ def filter_logits(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
     lowest, highest = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # [R]
     # top-k: the k-th largest key, the largest t with k or more keys >= t.
     k = jnp.where(batch.top_ks > 0, jnp.minimum(batch.top_ks, vocab), vocab)  # [R]
-    kth = _largest_true(lowest, highest,
-                        lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k)
+    kth = jax.lax.cond(jnp.any(k < vocab),
+                       lambda: _largest_true(lowest, highest,
+                                             lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k),
+                       lambda: lowest)
     # top-p over the top-k set, renormalised: the smallest prefix (in descending order) whose
     # probability reaches top_p ends at the largest t whose keys >= t hold top_p of the set's
     # mass (float32 sums, so a cut within rounding of top_p may fall on either side).
