@@ -141,7 +141,9 @@ class SlotInit:
         """The calls that initialise `entries`: resets first, every prompt token before any
         output token, in as many calls of (max_rows, max_tokens) as it takes."""
         K = BIAS_TABLE_SIZE
-        tokens = ([(e.slot, t, True) for e in entries for t in e.prompt_ids]
+        # Each (slot, prompt token) once: the program sets a prompt token's bit by adding it.
+        prompt = dict.fromkeys((e.slot, t) for e in entries for t in e.prompt_ids)
+        tokens = ([(slot, t, True) for slot, t in prompt]
                   + [(e.slot, t, False) for e in entries for t in e.output_ids])
         # Every reset must come before any token of its slot: a call resets, then scatters, so
         # the tokens start in the last call that resets.
