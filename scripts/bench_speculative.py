@@ -57,6 +57,8 @@ def parse_args(argv=None):
                    help="the -tree algorithms: speculative_num_draft_tokens")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-prefill-tokens", type=int,
+                   help="the engines' max_prefill_tokens (default: max(256, prompt length))")
     p.add_argument("--simulate-accept", type=float, nargs="*", default=[],
                    help="also run model drafts with each draft accepted with this probability")
     p.add_argument("--dtype", default="float32")
@@ -132,7 +134,7 @@ def engine_for(args, model_path, algorithm, draft_paths, cache=True):
                   compilation_cache_dir=args.compilation_cache_dir if cache else None,
                   disallow_compile_after_warmup=True, show_progress=False,
                   max_running_requests=max(args.batch_sizes),
-                  max_prefill_tokens=max(256, args.prompt_len))
+                  max_prefill_tokens=args.max_prefill_tokens or max(256, args.prompt_len))
     if algorithm.endswith(TREE):
         kwargs.update(speculative_eagle_topk=args.tree_topk,
                       speculative_num_draft_tokens=args.tree_draft_tokens)

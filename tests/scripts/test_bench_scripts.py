@@ -255,7 +255,7 @@ def test_bench_speculative_ngram_on_the_tiny_model(checkpoint, compilation_cache
     result = bench_speculative.main([
         "--model-path", str(checkpoint("tiny-llama")), "--algorithms", "none", "NGRAM",
         "NGRAM-tree", "--batch-sizes", "2", "--workloads", "repeat", "--output-len", "12",
-        "--prompt-len", "16",
+        "--prompt-len", "16", "--max-prefill-tokens", "32",  # one prefill bucket: 2 x 16
         "--compilation-cache-dir", compilation_cache_dir,
         "--json-out", str(tmp_path / "spec.json")])
     runs = {r["algorithm"]: r for r in result["runs"]}
