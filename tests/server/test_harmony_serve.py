@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from tests.support.presets import TWO_PROMPT_ENGINE
 from tests.support.server import MODEL_NAME, ServerProcess
 
 ANSWER = ('start: <|channel|> "analysis" <|message|> "Two and two make four." <|end|> '
@@ -22,7 +23,9 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server(checkpoint, engine_kwargs, tmp_path_factory):
-    proc = ServerProcess(checkpoint("tiny-gpt-oss"), engine_kwargs,
+    # One request at a time here: two running, prefill chunks of up to 128 tokens (a fifth of
+    # the suite engine's buckets to compile at start-up).
+    proc = ServerProcess(checkpoint("tiny-gpt-oss"), dict(engine_kwargs, **TWO_PROMPT_ENGINE),
                          tmp_path_factory.mktemp("harmony") / "server.log")
     try:
         proc.wait_ready()
