@@ -8,20 +8,21 @@
   program that samples them, so with overlapped scheduling the next step already sees them.
 - `prompt_bits` u32[S, ceil(V / 32)]: the tokens of the prompt, one bit each (the repetition
   penalty covers prompt and output, as in SGLang and vLLM). Bits in 32-bit words, not a bool
-  [S, V]: XLA:TPU compiles a scatter into a bool or int8 array slowly (94 s at a 128k vocabulary
-  on v6e against 2 s into 32-bit words), and the bits take an eighth of the bytes. A bit is set
-  by adding it, so `SlotInit.pack` sends each (slot, prompt token) once after the slot's reset.
+  [S, V]: XLA:TPU compiles a scatter into a bool or int8 array slowly (`init_slots` at 257 slots
+  and a 128k vocabulary for v6e: 94-120 s with the bool mask, 2.6 s with the bits), and the bits
+  take an eighth of the bytes. A bit is set by adding it, so `SlotInit.pack` sends each (slot,
+  prompt token) once after the slot's reset.
 - a bias table of `BIAS_TABLE_SIZE` (token id, value, until) entries: `logit_bias`, and -inf on
   the EOS and stop ids while the request has sampled fewer than `min_new_tokens`.
 
-Size: at a 152k vocabulary and 257 slots the counts take 156 MB and the prompt bits 5 MB; the engine
-sets it aside before sizing the KV cache. A row is written only when a request that uses it
-takes the slot (`init_slots`, from `SlotInit` host data: reset, then its prompt and any output
+Size: at a 152k vocabulary and 257 slots the counts take 156 MB and the prompt bits 5 MB; the
+engine sets it aside before sizing the KV cache. A row is written only when a request that uses
+it takes the slot (`init_slots`, from `SlotInit` host data: reset, then its prompt and any output
 it already has, e.g. after a retraction) and read only by the rows of such requests, so requests
 that ask for none of this pay nothing but two predicates.
 
 The formulas (`apply_slot_state`), on the raw logits x of a row with slot s:
-    seen = prompt_bit(s) | (output_counts[s] > 0)
+    seen = prompt_mask(s) | (output_counts[s] > 0)
     x = where(seen, where(x > 0, x / repetition, x * repetition), x)
     x = x - frequency * output_counts[s] - presence * (output_counts[s] > 0)
     x[bias_ids[s, k]] += bias_values[s, k]   for every entry with step < bias_until[s, k]

@@ -192,7 +192,8 @@ def test_slot_init_resets_before_scattering_across_calls():
                                       np.bincount(e.output_ids, minlength=V))
         prompt = np.zeros(V, bool)
         prompt[e.prompt_ids] = True
-        np.testing.assert_array_equal(np.asarray(state.prompt_mask(jnp.asarray([e.slot]))[0]), prompt)
+        mask = state.prompt_mask(jnp.asarray([e.slot]))[0]
+        np.testing.assert_array_equal(np.asarray(mask), prompt)
         assert np.asarray(state.bias_ids[e.slot, :e.slot]).tolist() == list(range(e.slot))
         assert np.all(np.asarray(state.bias_values[e.slot, e.slot:]) == 0)
     assert SlotInit.pack([], 4, 512)[0].rows.tolist() == [NO_SLOT] * 4
