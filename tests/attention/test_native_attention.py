@@ -1,5 +1,7 @@
 """The native backend against a dense per-sequence reference on random ragged paged batches."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +46,8 @@ def test_native_fp8_cache_matches_dense_reference(case, page_size, group, window
 
 def _check_against_dense(case, page_size, group, window, soft_cap, kv_dtype=None, head_dim=16):
     prefix_lens, new_lens, T, R = CASES[case]
-    rng = np.random.default_rng(hash((case, page_size)) % 2**32)
+    # A seed that does not change with PYTHONHASHSEED, so a failure reproduces.
+    rng = np.random.default_rng(zlib.crc32(f"{case}/{page_size}".encode()))
     num_layers, layer, num_pages = 3, 1, 80
     cfg = AttentionConfig(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
                           page_size=page_size,
@@ -82,7 +85,10 @@ def _check_against_dense(case, page_size, group, window, soft_cap, kv_dtype=None
     for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
         want = dense_attention(q[start:start + n], full_k[i], full_v[i], np.arange(p, p + n), p + n,
                                cfg.sm_scale, window, soft_cap)
-        np.testing.assert_allclose(out[start:start + n], want, rtol=1e-5, atol=1e-5)
+        # float32 rounding grows with the dot products' length: at head_dim 256 it reached 9e-6
+        # over 30 seeds, so the bound there is 4e-5; a wrong mask or scale is off by 1e-2 or more.
+        atol = 1e-5 * max(1.0, (cfg.head_dim / 16) ** 0.5)
+        np.testing.assert_allclose(out[start:start + n], want, rtol=1e-5, atol=atol)
         start += n
     assert np.isfinite(out).all()
     # The new tokens' K/V landed in their slots, K even and V odd.
