@@ -1,16 +1,19 @@
 """The engine contract (jaxrunner/engine/base.py), checked on the classes (no engine is built):
 `Engine` and `LockstepEngine` implement every member of `ServingEngine` with a signature that
 takes the contract's calls, the lock-step engine runs every state-changing verb on every rank,
-and the server reaches its engine through nothing but the contract."""
+and the server reaches its engine through nothing but the contract; a refused start-up leaves
+the garbage collector as it found it."""
 
 import ast
+import gc
+import weakref
 import inspect
 from pathlib import Path
 import typing
 
 import pytest
 
-from jaxrunner.engine import lockstep
+from jaxrunner.engine import engine as engine_module, lockstep
 from jaxrunner.engine.base import ServingEngine
 from jaxrunner.engine.engine import Engine
 from jaxrunner.engine.lockstep import LockstepEngine
@@ -125,3 +128,13 @@ def test_the_server_calls_only_the_contract():
     # The walk sees the server's calls (it would pass vacuously on a renamed variable).
     assert {"step", "enqueue", "make_request", "flush_cache", "update_weights_from_disk",
             "loaded_lora_adapters", "start_expert_distribution_record"} <= seen
+
+
+def test_a_refused_start_up_leaves_nothing_frozen(monkeypatch, tmp_path):
+    """Start-up freezes the caller's objects first; refused with no engine serving, it
+    unfreezes them (else they would never be collected)."""
+    monkeypatch.setattr(engine_module, "_LIVE_ENGINES", weakref.WeakSet())
+    gc.unfreeze()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Engine(model_path=str(tmp_path / "missing"))
+    assert gc.get_freeze_count() == 0

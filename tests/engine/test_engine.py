@@ -22,6 +22,10 @@ from tests.support.engine import (
 )
 
 
+class _Node:
+    ref = None
+
+
 def test_waves_of_64_requests_with_16_running_never_compile_and_free_every_page(engine):
     rng = np.random.default_rng(0)
     reqs, waves = [], 4
@@ -53,6 +57,12 @@ def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwa
     start in the same process (its compiles are its own) and counts none of them, while a
     compile nobody owns is still refused."""
     before = engine.compile_monitor.count
+    # A cycle the caller dropped before start-up: start-up freezes it with the caller's other
+    # objects, and shutdown collects it.
+    cycle = [_Node()]
+    cycle[0].ref = cycle
+    dropped = weakref.ref(cycle[0])
+    del cycle
     other = Engine(model_path=str(checkpoint("tiny-qwen2")),
                    **dict(engine_kwargs, max_running_requests=2, max_prefill_tokens=32))
     try:
@@ -70,6 +80,7 @@ def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwa
     # Shut down, its runner (executables, KV cache) is freed although start-up froze the
     # collector, and the engine still serving is untouched.
     assert runner() is None
+    assert dropped() is None
     out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
     assert len(out["output_ids"]) == 3
 
