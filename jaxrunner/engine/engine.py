@@ -33,10 +33,18 @@ from models.config import ModelConfig
 _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
-def _collect_frozen(engine: "Engine") -> None:
-    """Frees what a shut-down `engine` held: unfreezes, collects, and freezes again what the
-    engines still serving hold."""
+def _collect_frozen(engine: "Engine", held: list) -> None:
+    """Frees what a shut-down `engine` held. `held`: weak references to its worker and runner
+    (what holds its executables, weights and KV cache), after the engine let go of them. Freed
+    already (nothing but the engine referred to them), no collection is needed: the frozen
+    objects are let go when no engine serves (the collector takes its time, ~1 s beside torch
+    and transformers). Else, held in a cycle: everything is unfrozen and collected, and what the
+    engines still serving hold frozen again."""
     _LIVE_ENGINES.discard(engine)
+    if all(ref() is None for ref in held):
+        if not _LIVE_ENGINES:
+            gc.unfreeze()
+        return
     gc.unfreeze()
     gc.collect()
     if _LIVE_ENGINES:
@@ -77,7 +85,7 @@ class Engine(EngineLifecycle):
         # What the process holds before start-up is frozen first, so the collection that ends
         # start-up walks only what start-up made (a full one walked the caller's whole heap
         # too: ~0.9 s per engine beside torch and transformers). The caller's cycles from
-        # before are collected at shutdown.
+        # before are unfrozen again when no engine serves (`_collect_frozen`).
         gc.freeze()
         try:
             self._start(EngineArgs.from_kwargs(**kwargs))
@@ -494,13 +502,14 @@ class Engine(EngineLifecycle):
 
     def shutdown(self) -> None:
         self.compile_monitor.close()
+        held = [] if self.worker is None else [weakref.ref(self.worker),
+                                               weakref.ref(self.worker.model_runner)]
         # Everything that reaches the runner goes (the request factory checks requests with
-        # the scheduler), so that the collection below frees it while the caller still holds
-        # this engine.
+        # the scheduler), so that it is freed while the caller still holds this engine.
         self.worker = None
         self.scheduler = None
         self.request_factory = None
-        _collect_frozen(self)
+        _collect_frozen(self, held)
 
     def __enter__(self):
         return self

@@ -122,8 +122,10 @@ class ModelWorker:
         self.vocab_size = runner.model_config.vocab_size
         self.dp_size = runner.parallel.dp_size
         self.dllm_plan = plan.dllm
-        # What a step's output becomes: sampled tokens, or a pooling model's pooled results.
-        self._finish_step = self._sample if plan.pooling is None else self._pooled
+        # What a step's output becomes: sampled tokens, or a pooling model's pooled results
+        # (the function, not a bound method: the worker holding its own method is a cycle, and
+        # shutdown frees a worker without cycles at once).
+        self._finish_step = ModelWorker._sample if plan.pooling is None else ModelWorker._pooled
         self.split_prefill_ranges = args.split_prefill_ranges(
             runner.model_config.num_hidden_layers)
         if runner.lora_pool is not None:
@@ -192,8 +194,8 @@ class ModelWorker:
         """Runs an uploaded forward batch, (re)initialises the request slots that start using
         the sampling state (`slot_entries`), and samples."""
         logits_output = self.model_runner.forward(forward_batch)
-        return self._finish_step(logits_output, sampling, num_reqs, num_tokens, slot_entries,
-                                 vocab_mask_fn)
+        return self._finish_step(self, logits_output, sampling, num_reqs, num_tokens,
+                                 slot_entries, vocab_mask_fn)
 
     def _pooled(self, pooler_output, sampling, num_reqs: int, num_tokens: int, slot_entries,
                 vocab_mask_fn) -> PoolingBatchResult:

@@ -1,5 +1,6 @@
 """The offline engine end to end on the tiny Llama: batching, compiles, sampling, stops, errors."""
 
+import gc
 import weakref
 
 import jax
@@ -11,6 +12,7 @@ from jaxrunner import Engine
 from jaxrunner.batch.forward_batch import ForwardBatch
 from jaxrunner.batch.forward_mode import ForwardMode
 from jaxrunner.batch.schedule_batch import Req, ScheduleBatch
+from jaxrunner.engine import engine as engine_module
 from jaxrunner.runner.compile_guard import CompileAfterWarmupError
 from jaxrunner.runner.step_programs import ForwardModeNotImplemented
 from jaxrunner.sampling.params import SamplingParams
@@ -57,12 +59,6 @@ def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwa
     start in the same process (its compiles are its own) and counts none of them, while a
     compile nobody owns is still refused."""
     before = engine.compile_monitor.count
-    # A cycle the caller dropped before start-up: start-up freezes it with the caller's other
-    # objects, and shutdown collects it.
-    cycle = [_Node()]
-    cycle[0].ref = cycle
-    dropped = weakref.ref(cycle[0])
-    del cycle
     other = Engine(model_path=str(checkpoint("tiny-qwen2")),
                    **dict(engine_kwargs, max_running_requests=2, max_prefill_tokens=32))
     try:
@@ -80,9 +76,33 @@ def test_a_second_engine_starts_beside_a_warm_one(engine, checkpoint, engine_kwa
     # Shut down, its runner (executables, KV cache) is freed although start-up froze the
     # collector, and the engine still serving is untouched.
     assert runner() is None
-    assert dropped() is None
     out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
     assert len(out["output_ids"]) == 3
+
+
+def test_shutdown_frees_the_engine_without_walking_the_heap(checkpoint, engine_kwargs,
+                                                             monkeypatch):
+    """With no other engine serving (the module's hidden), shutdown frees the worker and its
+    runner by reference counting alone (no cycle holds them), so the collector is not run over
+    the heap (~1 s beside torch); nothing stays frozen, and a cycle the caller dropped before
+    start-up (frozen with the caller's other objects) is the collector's again."""
+    monkeypatch.setattr(engine_module, "_LIVE_ENGINES", weakref.WeakSet())
+    cycle = [_Node()]
+    cycle[0].ref = cycle
+    dropped = weakref.ref(cycle[0])
+    del cycle
+    other = Engine(model_path=str(checkpoint("tiny-qwen2")),
+                   **dict(engine_kwargs, max_running_requests=2, max_prefill_tokens=32))
+    assert len(other.generate(input_ids=[5, 6, 7],
+                              sampling_params={"max_new_tokens": 3})["output_ids"]) == 3
+    runner = weakref.ref(other.runner)
+    collect, collections = gc.collect, []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or collect(*args))
+    other.shutdown()
+    assert runner() is None and not collections
+    assert gc.get_freeze_count() == 0
+    collect()
+    assert dropped() is None
 
 
 def test_batched_greedy_equals_one_at_a_time(engine):
