@@ -35,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--num-experts", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="of the layer's tokens and expert weights (part 1)")
     p.add_argument("--zipf", type=float, default=1.2, help="skew of the expert popularity")
     p.add_argument("--balance-experts", type=int, default=64,
                    help="experts of the balancedness study (Qwen3-30B-A3B has 128, top-8)")
@@ -93,8 +95,9 @@ def layer_shapes(args) -> dict:
             "top_k": args.top_k or spec["num_experts_per_tok"]}
 
 
-def random_layer(shapes: dict, num_tokens: int, seed: int = 0):
-    """x [N, D], the routing of a random router, and expert weights."""
+def random_layer(shapes: dict, num_tokens: int, seed: int = 0, dtype: str = "float32"):
+    """x [N, D], the routing of a random router, and expert weights (x and the weights in
+    `dtype`; the router in float32)."""
     D, I, E, k = (shapes[n] for n in ("hidden", "moe_intermediate", "num_experts", "top_k"))
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((num_tokens, D), np.float32))
@@ -104,15 +107,15 @@ def random_layer(shapes: dict, num_tokens: int, seed: int = 0):
                        jnp.ones(num_tokens, bool), top_k=k, norm_topk_prob=True, num_slots=E)
 
     def w(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2]))
-    return x, routing, (w(E, D, I), w(E, D, I), w(E, I, D))
+        return jnp.asarray(rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2]), dtype)
+    return x.astype(dtype), routing, (w(E, D, I), w(E, D, I), w(E, I, D))
 
 
 def bench_layer(args, shapes: dict) -> list[dict]:
     D, I, E, k = (shapes[n] for n in ("hidden", "moe_intermediate", "num_experts", "top_k"))
     rows = []
     for n in args.tokens:
-        x, routing, weights = random_layer(shapes, n)
+        x, routing, weights = random_layer(shapes, n, dtype=args.dtype)
         row = {"tokens": n, "useful_gflop": 2 * n * k * 3 * D * I / 1e9}
         for form in GROUPED_MATMULS:
             fn = jax.jit(lambda x, r, wg, wu, wd, form=form: expert_mlp(x, r, wg, wu, wd, 0,
@@ -121,8 +124,8 @@ def bench_layer(args, shapes: dict) -> list[dict]:
         row["dense_reference_ms"] = 1e3 * time_median(jax.jit(moe_reference), x, routing,
                                                       *weights, reps=args.reps)
         # The floor: the useful FLOPs as plain matmuls of all N * k routed rows.
-        row["flop_floor_ms"] = 1e3 * (2 * matmul_seconds(n * k, D, I, reps=args.reps)
-                                      + matmul_seconds(n * k, I, D, reps=args.reps))
+        row["flop_floor_ms"] = 1e3 * (2 * matmul_seconds(n * k, D, I, args.dtype, args.reps)
+                                      + matmul_seconds(n * k, I, D, args.dtype, args.reps))
         row["blocked_of_floor"] = row["flop_floor_ms"] / row["blocked_ms"]
         rows.append(row)
     return rows
@@ -220,15 +223,15 @@ def bench_e2e(args) -> list[dict]:
 
 def main(args) -> dict:
     shapes = layer_shapes(args)
-    result = {"benchmark": "moe", "machine": machine_info(), "layer_shapes": shapes,
-              "layer": bench_layer(args, shapes)}
+    result = {"benchmark": "moe", "machine": machine_info(),
+              "layer_shapes": dict(shapes, dtype=args.dtype), "layer": bench_layer(args, shapes)}
     if jax.device_count() > 1:
         result["dispatch"] = bench_dispatch(args, shapes)
     result["balance"] = bench_balance(args)
     if not args.skip_e2e:
         result["end_to_end"] = bench_e2e(args)
     emit(result, args.json_out)
-    print_table([(k, v) for k, v in shapes.items()], "MoE layer shapes")
+    print_table([(k, v) for k, v in result["layer_shapes"].items()], "MoE layer shapes")
     for name, rows in result.items():
         if isinstance(rows, list) and rows:
             print(f"\n{name}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check for an NVIDIA GPU (written for an H200; 8 minutes at most):
+# The device check for an NVIDIA GPU (written for an H200; 9 minutes at most):
 #   1. the kernel tests with the GPU kernel compiled, not interpreted (tests/kernels picks
 #      interpret=False when jax's default backend is a GPU), plus the reference and KV-cache
 #      tests (not the C++ CPU kernel's: its custom call exists for the CPU platform only, and
@@ -8,7 +8,11 @@
 #      device's copy bandwidth, which it measures first (goal: decode >= 70% of it, 80% better);
 #   3. scripts/bench_device_engine.py: a Llama-3-8B-shaped bfloat16 model with random weights
 #      through the offline engine at batch 1, 64 and 256: output tok/s, decode step against its
-#      HBM floor (goal: within 1.5x at batch 64), start-up, compiles after warm-up (must be 0).
+#      HBM floor (goal: within 1.5x at batch 64), start-up, compiles after warm-up (must be 0);
+#   4. scripts/bench_moe.py --skip-e2e: one MoE layer of Qwen3-30B-A3B's shapes (128 experts,
+#      top 8) at 64, 512 and 4096 tokens, the grouped matmul as `blocked` and as `ragged_dot`
+#      (which XLA:GPU compiles as a dense matmul over every expert: 32 GiB of temporaries at
+#      8192 tokens, docs/performance.md), to choose the GPU default of moe_runner_backend.
 #
 #   scripts/device_check.sh [--dry-run] [OUT_DIR]
 #
@@ -73,18 +77,25 @@ PY
 if [[ $status -ne 0 ]]; then echo "device check: no usable device or imports" >&2; exit "$status"; fi
 
 kernel_tests=(tests/kernels --ignore=tests/kernels/test_cpu_attention.py -q -p no:cacheprovider)
+moe_args=(--skip-e2e --tokens 64 512 4096 --hidden 2048 --moe-intermediate 768 --num-experts 128
+          --top-k 8 --reps 3 --dtype bfloat16)
 if [[ $dry_run -eq 1 ]]; then
     step kernel_tests 120 "$python" -m pytest "${kernel_tests[@]}" --collect-only
     step bench_attention 60 "$python" -c \
         "import sys; sys.path.insert(0, 'scripts'); import bench_attention; bench_attention.parse_args([])"
     step bench_device_engine 120 "$python" scripts/bench_device_engine.py \
         --out-dir "$out_dir/engine" --work-dir "$out_dir/engine/work" --dry-run
+    step bench_moe 60 "$python" -c \
+        "import sys; sys.path.insert(0, 'scripts'); import bench_moe; bench_moe.parse_args(sys.argv[1:])" \
+        "${moe_args[@]}" --json-out "$out_dir/bench_moe.json"
 else
     step kernel_tests 150 "$python" -m pytest "${kernel_tests[@]}" --durations=10
     step bench_attention 60 "$python" scripts/bench_attention.py \
         --json-out "$out_dir/bench_attention.json"
     step bench_device_engine 180 "$python" scripts/bench_device_engine.py \
         --out-dir "$out_dir/engine"
+    step bench_moe 60 "$python" scripts/bench_moe.py "${moe_args[@]}" \
+        --json-out "$out_dir/bench_moe.json"
 fi
 
 echo "device check: exit $status (output in $out_dir)" | tee -a "$summary"

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "device_check.sh"
-STEPS = ("device", "kernel_tests", "bench_attention", "bench_device_engine")
+STEPS = ("device", "kernel_tests", "bench_attention", "bench_device_engine", "bench_moe")
 
 
 def _run(*args, timeout=600):
