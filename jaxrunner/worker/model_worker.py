@@ -125,7 +125,7 @@ class ModelWorker:
         # What a step's output becomes: sampled tokens, or a pooling model's pooled results
         # (the function, not a bound method: the worker holding its own method is a cycle, and
         # shutdown frees a worker without cycles at once).
-        self._finish_step = ModelWorker._sample if plan.pooling is None else ModelWorker._pooled
+        self._finish_step = type(self)._sample if plan.pooling is None else type(self)._pooled
         self.split_prefill_ranges = args.split_prefill_ranges(
             runner.model_config.num_hidden_layers)
         if runner.lora_pool is not None:
