@@ -6,10 +6,10 @@ the garbage collector as it found it."""
 
 import ast
 import gc
-import weakref
 import inspect
 from pathlib import Path
 import typing
+import weakref
 
 import pytest
 
