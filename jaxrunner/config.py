@@ -19,7 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 FP8_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_CACHE_DTYPES = DTYPES + tuple(FP8_KV_CACHE_DTYPES)
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
-MOE_RUNNER_BACKENDS = ("auto", "blocked", "ragged_dot")
+MOE_RUNNER_BACKENDS = ("auto", "blocked", "ragged_dot", "triton")
 EXPERT_DISTRIBUTION_RECORDER_MODES = ("stat", "per_pass")
 
 
@@ -197,8 +197,9 @@ class EngineArgs:
     # Expert slots beyond the logical experts, holding copies of busy ones (EPLB); the slots
     # (experts + these) must split evenly over ep_size.
     ep_num_redundant_experts: int = 0
-    # The experts' grouped matmul: "auto" = "ragged_dot" (jax.lax.ragged_dot) on TPU/GPU,
-    # "blocked" (block-padded groups in a scan; XLA's CPU ragged_dot is far slower) on CPU.
+    # The experts' grouped matmul: "auto" = "ragged_dot" (jax.lax.ragged_dot) on TPU, "triton"
+    # (a Pallas GPU kernel; XLA:GPU computes ragged_dot densely) on GPU, "blocked" (block-padded
+    # groups in a loop; XLA's CPU ragged_dot is far slower) on CPU and for MXFP4 experts.
     moe_runner_backend: str = "auto"
     # Rebalance the experts over their slots from the routed-token counts every
     # `eplb_rebalance_num_iterations` forward passes (Engine.rebalance_experts on demand).

@@ -5,9 +5,9 @@
     python scripts/bench_moe.py --skip-e2e --tokens 64 512 2048
 
 1. The MoE layer (one layer, the `small-moe` shapes unless `--hidden/--moe-intermediate/
-   --num-experts/--top-k` say otherwise) at several token counts: the grouped matmul in both
-   forms (`blocked`, `ragged_dot`), against the dense reference (every expert on every token,
-   what no serving path does) and against the FLOP floor: the routed tokens' useful FLOPs at
+   --num-experts/--top-k` say otherwise) at several token counts: the grouped matmul in each
+   form (`blocked`, `ragged_dot`, and on a GPU `triton`, the Pallas GPU kernel), against the
+   dense reference (every expert on every token, what no serving path does) and against the FLOP floor: the routed tokens' useful FLOPs at
    this machine's matmul rate, measured in the same run as plain [N*k, D] x [D, I] matmuls.
 2. Expert-parallel dispatch (`--devices N` simulates N CPU devices, set before jax starts):
    all-gather + local experts + all-reduce against all-to-all, EP 2..N, same inputs.
@@ -111,13 +111,19 @@ def random_layer(shapes: dict, num_tokens: int, seed: int = 0, dtype: str = "flo
     return x.astype(dtype), routing, (w(E, D, I), w(E, D, I), w(E, I, D))
 
 
+def grouped_matmuls_here() -> list[str]:
+    """The grouped matmuls this machine runs: `triton` is a GPU kernel."""
+    return [form for form in GROUPED_MATMULS
+            if form != "triton" or jax.default_backend() == "gpu"]
+
+
 def bench_layer(args, shapes: dict) -> list[dict]:
     D, I, E, k = (shapes[n] for n in ("hidden", "moe_intermediate", "num_experts", "top_k"))
     rows = []
     for n in args.tokens:
         x, routing, weights = random_layer(shapes, n, dtype=args.dtype)
         row = {"tokens": n, "useful_gflop": 2 * n * k * 3 * D * I / 1e9}
-        for form in GROUPED_MATMULS:
+        for form in grouped_matmuls_here():
             fn = jax.jit(lambda x, r, wg, wu, wd, form=form: expert_mlp(x, r, wg, wu, wd, 0,
                                                                         form, E))
             row[f"{form}_ms"] = 1e3 * time_median(fn, x, routing, *weights, reps=args.reps)

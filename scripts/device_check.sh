@@ -10,9 +10,10 @@
 #      through the offline engine at batch 1, 64 and 256: output tok/s, decode step against its
 #      HBM floor (goal: within 1.5x at batch 64), start-up, compiles after warm-up (must be 0);
 #   4. scripts/bench_moe.py --skip-e2e: one MoE layer of Qwen3-30B-A3B's shapes (128 experts,
-#      top 8) at 64, 512 and 4096 tokens, the grouped matmul as `blocked` and as `ragged_dot`
-#      (which XLA:GPU compiles as a dense matmul over every expert: 32 GiB of temporaries at
-#      8192 tokens, docs/performance.md), to choose the GPU default of moe_runner_backend.
+#      top 8) at 64, 512 and 4096 tokens, the grouped matmul as `triton` (the Pallas GPU kernel,
+#      the GPU default of moe_runner_backend), `blocked` and `ragged_dot` (which XLA:GPU compiles
+#      as a dense matmul over every expert: 32 GiB of temporaries at 8192 tokens,
+#      docs/performance.md), to check that default against both.
 #
 #   scripts/device_check.sh [--dry-run] [OUT_DIR]
 #

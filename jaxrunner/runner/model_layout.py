@@ -4,6 +4,7 @@ panels hold its Linear kernels. From it come the weights as shapes (for the memo
 a runner that only compiles) and the loaded weights."""
 
 from dataclasses import dataclass
+import logging
 
 from flax import nnx
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 from jaxrunner.config import EngineArgs
 from jaxrunner.parallel.mesh import TENSOR_AXIS, Parallelism, check_ep_size, expert_axes
 import kernels_cpu
+from kernels_pallas import grouped_matmul
 from models.config import ModelConfig
 from models.layers.moe_parallel import MoeRunner
 from models.layers.packed import PackedWeight
@@ -19,6 +21,8 @@ from models.llama import pack_linears
 from models.loading.load_format import abstract_state, load_state, resolve_load_format
 from models.registry import model_class
 from models.sharding import ShardedPlacer, sharded_model_config
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,16 +71,38 @@ def moe_runner_for(cfg: ModelConfig, args: EngineArgs, parallel: Parallelism,
     backend = args.moe_runner_backend
     # MXFP4 experts are dequantised one expert at a time, inside the blocked grouped matmul.
     mxfp4 = cfg.quantization is not None and cfg.quantization.method == "mxfp4"
-    if mxfp4 and backend == "ragged_dot":
-        raise ValueError("moe_runner_backend 'ragged_dot' cannot run MXFP4 experts (it would "
-                         "dequantise every expert at once); use 'blocked'")
+    if mxfp4 and backend in ("ragged_dot", "triton"):
+        raise ValueError(f"moe_runner_backend {backend!r} cannot run MXFP4 experts; use "
+                         f"'blocked' (it dequantises one expert at a time)")
     if mxfp4 and split_experts and (cfg.moe_intermediate_size // parallel.tp_size) % 32:
         raise ValueError(f"MXFP4 experts split over tp_size {parallel.tp_size} need "
                          f"moe_intermediate_size / tp_size a multiple of 32 (whole blocks)")
+    gpu = device_platform in ("gpu", "cuda")
+    intermediate = cfg.moe_intermediate_size // (parallel.tp_size if split_experts else 1)
+    refused = _triton_refuses(cfg.hidden_size, intermediate)
     if backend == "auto":
-        backend = "blocked" if device_platform == "cpu" or mxfp4 else "ragged_dot"
+        backend = ("blocked" if device_platform == "cpu" or mxfp4 else
+                   "triton" if gpu else "ragged_dot")
+        if backend == "triton" and refused:
+            logger.info("MoE experts: %s; using moe_runner_backend 'blocked'", refused)
+            backend = "blocked"
+    if backend == "triton" and not gpu:
+        raise ValueError(f"moe_runner_backend 'triton' is a Pallas GPU kernel; this runner's "
+                         f"devices are {device_platform}")
+    if backend == "triton" and refused:
+        raise ValueError(f"moe_runner_backend 'triton': {refused}")
     return MoeRunner(grouped_matmul=backend, mesh=parallel.mesh, expert_axes=axes,
                      tensor_axis=TENSOR_AXIS if split_experts else None)
+
+
+def _triton_refuses(hidden: int, intermediate: int) -> str | None:
+    """Why the GPU grouped matmul cannot run experts of these sizes (per shard), or None."""
+    try:
+        grouped_matmul.check_supported(in_features=hidden, out_features=intermediate)
+        grouped_matmul.check_supported(in_features=intermediate, out_features=hidden)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _cpu_panel(args: EngineArgs, parallel: Parallelism, platform: str) -> int | None:

@@ -15,7 +15,9 @@ The expert MLPs run as a grouped matmul over the pairs sorted by slot, in one of
 - `ragged_dot`: `jax.lax.ragged_dot`, XLA's grouped matmul (TPU and GPU lower it natively);
 - `blocked`: each group's sorted rows covered by blocks of B rows, one expert per block, a loop
   over just the blocks the groups need (megablocks' layout). On a CPU XLA lowers ragged_dot to
-  a loop far slower than this (scripts/bench_moe.py).
+  a loop far slower than this (scripts/bench_moe.py);
+- `triton`: the Pallas GPU kernel (kernels_pallas/grouped_matmul): the blocked layout as one
+  kernel launch. XLA:GPU lowers ragged_dot densely (every row times every expert).
 `moe_reference` computes every expert for every token: the tests' reference, no serving path.
 
 An expert MLP is act(x @ gate) * (x @ up) @ down, `act` SiLU; GPT-OSS's experts add a bias per
@@ -32,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loading.moe_checkpoint import BIAS_SUFFIX
+from kernels_pallas.grouped_matmul import grouped_matmul_gpu
 from models.quantization.config import QuantConfig
 from models.quantization import mxfp4
 from models.quantization.moe import SCALE_SUFFIX, QuantizedExperts, expert_matmul, ragged_matmul
 
-GROUPED_MATMULS = ("blocked", "ragged_dot")
+GROUPED_MATMULS = ("blocked", "ragged_dot", "triton")
 # Block rows of the blocked form: the expected rows per expert, rounded up to a power of two and
 # clamped (few rows per block waste less padding; more rows make better matmuls).
 MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 8, 128
@@ -99,6 +102,21 @@ def _ragged(xs, w, group_sizes):
     group = jnp.repeat(jnp.arange(w.bias.shape[0]), group_sizes,
                        total_repeat_length=xs.shape[0])
     return ragged_matmul(xs, w.kernel, group_sizes) + w.bias[group].astype(xs.dtype)
+
+
+def gpu_grouped_matmul(xs, w, group_sizes, *, interpret: bool = False):
+    """`_ragged` through the Pallas GPU kernel (rows past the groups undefined); `interpret`
+    runs it on any device (the tests)."""
+    bias = None
+    if isinstance(w, BiasedExperts):
+        w, bias = w.kernel, w.bias
+    if isinstance(w, mxfp4.Mxfp4Experts):
+        raise NotImplementedError("MXFP4 experts run in the blocked grouped matmul "
+                                  "(moe_runner_backend='blocked')")
+    scale = None
+    if isinstance(w, QuantizedExperts):
+        w, scale = w.kernel, w.scale
+    return grouped_matmul_gpu(xs, w, group_sizes, scale=scale, bias=bias, interpret=interpret)
 
 
 class ExpertMap(nnx.Variable):
@@ -263,11 +281,13 @@ def blocked_mlp(xs, group_sizes, wg, wu, wd, rows_per_block: int,
     return out[:M]
 
 
-def ragged_dot_mlp(xs, group_sizes, wg, wu, wd, activation: ExpertActivation = SILU):
-    """`blocked_mlp` through `jax.lax.ragged_dot`."""
+def ragged_dot_mlp(xs, group_sizes, wg, wu, wd, activation: ExpertActivation = SILU,
+                   matmul=_ragged):
+    """`blocked_mlp` through `jax.lax.ragged_dot`, or another grouped `matmul` of its signature
+    (`gpu_grouped_matmul`)."""
     in_group = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
-    h = activation(_ragged(xs, wg, group_sizes), _ragged(xs, wu, group_sizes))
-    return jnp.where(in_group[:, None], _ragged(h, wd, group_sizes), 0)
+    h = activation(matmul(xs, wg, group_sizes), matmul(xs, wu, group_sizes))
+    return jnp.where(in_group[:, None], matmul(h, wd, group_sizes), 0)
 
 
 def expert_mlp(x, routing: Routing, wg, wu, wd, first_slot, grouped_matmul: str,
@@ -288,6 +308,8 @@ def expert_mlp(x, routing: Routing, wg, wu, wd, first_slot, grouped_matmul: str,
                          activation)
     elif grouped_matmul == "ragged_dot":
         ys = ragged_dot_mlp(xs, group_sizes, wg, wu, wd, activation)
+    elif grouped_matmul == "triton":
+        ys = ragged_dot_mlp(xs, group_sizes, wg, wu, wd, activation, gpu_grouped_matmul)
     else:
         raise ValueError(f"grouped matmul {grouped_matmul!r} is not one of {GROUPED_MATMULS}")
     weight = jnp.where(local[order] < G, routing.weights.reshape(-1)[order], 0)

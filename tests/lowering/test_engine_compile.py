@@ -38,7 +38,8 @@ CASES = [
     (TPU_V6E, 4, "tiny-sdar", dict(dllm_algorithm="LowConfidence"), None),
     (H100, 1, "tiny-llama", dict(enable_lora=True, max_lora_rank=16, lora_target_modules="all",
                                  max_loras_per_batch=4), None),
-    (H100, 4, "tiny-qwen3", {}, NGRAM_TARGET),
+    # MoE on a GPU: the experts' grouped matmul is the Pallas GPU kernel, split over TP 4.
+    (H100, 4, "tiny-qwen3-moe", {}, NGRAM_TARGET),
     # Gemma: sliding and full layers (a periodic run of two layer programs and a run of one),
     # two ropes, windows; on H100 at its head_dim of 256 with soft caps. (On TPU at head_dim
     # 128: at 256 each decode step of the engine asks XLA:TPU for more temporaries than v6e's
@@ -115,6 +116,9 @@ def test_every_program_of_the_engine_compiles(case, monkeypatch):
                 <= 0.97 * target.hbm_bytes())
     if speculative is not None:
         assert any(b.mode == ForwardMode.TARGET_VERIFY for b in runner.buckets)
+    if preset.endswith("-moe"):
+        assert runner.moe_runner.grouped_matmul == ("triton" if target.platform == "cuda"
+                                                    else "ragged_dot")
 
 
 

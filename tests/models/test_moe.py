@@ -26,6 +26,7 @@ from models.llama import LlamaForCausalLM
 from models.loading.loader import load_model
 from models.sharding import sharded_model_config
 from tests.support.moe import D, E, K, N, expert_weights, random_routing
+from tests.support.moe import interpreted_gpu_kernel  # noqa: F401 (autouse)
 
 
 def _hf_router(x, kernel, top_k, norm):

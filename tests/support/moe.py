@@ -1,12 +1,25 @@
 """Random expert weights and routings for the MoE layer's tests (models/layers/moe.py)."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from models.layers import moe
 from models.layers.moe import Routing
 
-# Tokens, hidden size, expert intermediate size, experts, experts per token.
-N, D, I, E, K = 37, 32, 24, 8, 2
+# Tokens, hidden size, expert intermediate size, experts, experts per token (D and I multiples
+# of 16, as the GPU grouped matmul needs).
+N, D, I, E, K = 37, 32, 48, 8, 2
+
+
+@pytest.fixture(autouse=True)
+def interpreted_gpu_kernel(monkeypatch):
+    """The `triton` grouped matmul runs in Pallas' interpreter here (no GPU on this machine):
+    imported by the modules that check every grouped matmul."""
+    monkeypatch.setattr(moe, "gpu_grouped_matmul",
+                        functools.partial(moe.gpu_grouped_matmul, interpret=True))
 
 
 def expert_weights(rng, num_slots: int):

@@ -15,6 +15,7 @@ from models.layers.moe import (
     moe_reference,
 )
 from tests.support.moe import D, I, N, expert_weights, random_routing
+from tests.support.moe import interpreted_gpu_kernel  # noqa: F401 (autouse)
 
 GPT_OSS = ExpertActivation("clamped_swiglu", alpha=1.702, limit=1.0)
 

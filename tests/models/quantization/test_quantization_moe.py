@@ -21,6 +21,7 @@ from models.quantization.config import resolve
 from models.quantization.linear import QuantConfig, dequantize, quantize_weight
 from models.quantization.moe import QuantizedExperts
 from tests.support.moe import D, N, expert_weights, random_routing
+from tests.support.moe import interpreted_gpu_kernel  # noqa: F401 (autouse)
 from tests.support.parity import hf_logits, prefill_logits, relative_error
 from tests.support.presets import TWO_PROMPT_ENGINE
 from tests.support.quantization import (
