@@ -79,7 +79,9 @@ def moe_runner_for(cfg: ModelConfig, args: EngineArgs, parallel: Parallelism,
                          f"moe_intermediate_size / tp_size a multiple of 32 (whole blocks)")
     gpu = device_platform in ("gpu", "cuda")
     intermediate = cfg.moe_intermediate_size // (parallel.tp_size if split_experts else 1)
-    refused = _triton_refuses(cfg.hidden_size, intermediate)
+    local_experts = cfg.num_physical_experts // (args.ep_size if axes else 1)
+    itemsize = cfg.quantization.weight_dtype.itemsize if cfg.quantization else 2
+    refused = _triton_refuses(cfg.hidden_size, intermediate, local_experts, itemsize)
     if backend == "auto":
         backend = ("blocked" if device_platform == "cpu" or mxfp4 else
                    "triton" if gpu else "ragged_dot")
@@ -95,11 +97,13 @@ def moe_runner_for(cfg: ModelConfig, args: EngineArgs, parallel: Parallelism,
                      tensor_axis=TENSOR_AXIS if split_experts else None)
 
 
-def _triton_refuses(hidden: int, intermediate: int) -> str | None:
-    """Why the GPU grouped matmul cannot run experts of these sizes (per shard), or None."""
+def _triton_refuses(hidden: int, intermediate: int, num_experts: int, itemsize: int
+                    ) -> str | None:
+    """Why the GPU grouped matmul cannot run these experts (per shard), or None."""
     try:
-        grouped_matmul.check_supported(in_features=hidden, out_features=intermediate)
-        grouped_matmul.check_supported(in_features=intermediate, out_features=hidden)
+        for k, n in ((hidden, intermediate), (intermediate, hidden)):
+            grouped_matmul.check_supported(in_features=k, out_features=n, num_groups=num_experts,
+                                           weight_itemsize=itemsize)
     except ValueError as error:
         return str(error)
     return None

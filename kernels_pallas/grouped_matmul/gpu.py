@@ -34,12 +34,24 @@ BLOCK_N = (128, 64, 32, 16)
 BLOCK_K = (64, 32, 16)
 
 
-def check_supported(*, in_features: int, out_features: int) -> None:
-    """Raises ValueError naming what this kernel cannot run: K and N multiples of 16."""
+# Pallas' Triton lowering indexes an operand of at most 2^32 bytes with 32-bit signed offsets:
+# a 1-byte weight of more elements than this reaches past them.
+MAX_ELEMENTS = 2**31 - 1
+
+
+def check_supported(*, in_features: int, out_features: int, num_groups: int = 1,
+                    weight_itemsize: int = 2) -> None:
+    """Raises ValueError naming what this kernel cannot run: K and N multiples of 16, and an
+    8-bit weight [num_groups, K, N] of 2^31 to 2^32 elements (32-bit offsets that overflow)."""
     for name, value in (("in_features", in_features), ("out_features", out_features)):
         if value % MIN_BLOCK:
             raise ValueError(f"the GPU grouped matmul needs {name} a multiple of {MIN_BLOCK}, "
                              f"got {value}")
+    elements = num_groups * in_features * out_features
+    if elements > MAX_ELEMENTS and elements * weight_itemsize <= 2**32:
+        raise ValueError(f"the GPU grouped matmul indexes an 8-bit weight of {num_groups} "
+                         f"experts x {in_features} x {out_features} ({elements:,} elements) "
+                         f"with 32-bit offsets: more than 2^31 - 1")
 
 
 def block_sizes(num_rows: int, num_groups: int, in_features: int, out_features: int
@@ -117,6 +129,8 @@ def grouped_matmul_gpu(xs, w, group_sizes, *, scale=None, bias=None, block_m: in
         raise ValueError(f"grouped matmul of xs {xs.shape} by w {w.shape} with group_sizes "
                          f"{group_sizes.shape}: K or G differ")
     auto_m, block_n, block_k = block_sizes(M, G, K, N)
+    check_supported(in_features=K, out_features=N, num_groups=G,
+                    weight_itemsize=w.dtype.itemsize)
     block_m = block_m or auto_m
     num_blocks = -(-M // block_m) + G
     table = block_table(group_sizes, block_m, num_blocks)

@@ -92,6 +92,12 @@ def test_quantized_and_biased_experts_match_reference(weight_dtype, biased):
 def test_features_the_kernel_cannot_block_are_refused_by_name():
     with pytest.raises(ValueError, match="out_features a multiple of 16, got 360"):
         check_supported(in_features=2880, out_features=360)
+    # DeepSeek-V3's 256 experts whole on one device in fp8: past 32-bit offsets (jax indexes
+    # operands over 4 GiB with 64-bit ones: bfloat16 is fine, and so is TP 8's split).
+    with pytest.raises(ValueError, match="256 experts x 7168 x 2048 .* more than 2"):
+        check_supported(in_features=7168, out_features=2048, num_groups=256, weight_itemsize=1)
+    check_supported(in_features=7168, out_features=2048, num_groups=256, weight_itemsize=2)
+    check_supported(in_features=7168, out_features=256, num_groups=256, weight_itemsize=1)
     with pytest.raises(ValueError, match="in_features a multiple of 16, got 24"):
         grouped_matmul_gpu(jnp.zeros((8, 24)), jnp.zeros((2, 24, 32)),
                            jnp.asarray([4, 4], jnp.int32), interpret=True)

@@ -32,6 +32,14 @@ def test_experts_the_gpu_kernel_cannot_block_fall_back_to_blocked_unless_asked_f
     assert _backend("gpu", odd) == "blocked"
     with pytest.raises(ValueError, match="'triton': .*out_features a multiple of 16, got 24"):
         _backend("gpu", odd, moe_runner_backend="triton")
+    # 8-bit experts past 32-bit offsets on one device; in bfloat16 they run.
+    huge = dataclasses.replace(MOE, hidden_size=8192, moe_intermediate_size=8192,
+                               num_physical_experts=64)
+    assert _backend("gpu", huge) == "triton"
+    fp8 = dataclasses.replace(huge, quantization=QuantConfig("fp8"))
+    assert _backend("gpu", fp8) == "blocked"
+    with pytest.raises(ValueError, match="'triton': .*8-bit weight of 64 experts x 8192 x 8192"):
+        _backend("gpu", fp8, moe_runner_backend="triton")
 
 
 def test_the_gpu_kernel_is_refused_off_a_gpu_and_for_mxfp4_experts():
