@@ -7,8 +7,9 @@
 1. The MoE layer (one layer, the `small-moe` shapes unless `--hidden/--moe-intermediate/
    --num-experts/--top-k` say otherwise) at several token counts: the grouped matmul in each
    form (`blocked`, `ragged_dot`, and on a GPU `triton`, the Pallas GPU kernel), against the
-   dense reference (every expert on every token, what no serving path does) and against the FLOP floor: the routed tokens' useful FLOPs at
-   this machine's matmul rate, measured in the same run as plain [N*k, D] x [D, I] matmuls.
+   dense reference (every expert on every token, what no serving path does) and against the
+   FLOP floor: the routed tokens' useful FLOPs at this machine's matmul rate, measured in the
+   same run as plain [N*k, D] x [D, I] matmuls.
 2. Expert-parallel dispatch (`--devices N` simulates N CPU devices, set before jax starts):
    all-gather + local experts + all-reduce against all-to-all, EP 2..N, same inputs.
 3. Balancedness (mean / max routed pairs per EP rank, 1.0 = even) on a skewed workload: token

@@ -58,8 +58,7 @@ def block_sizes(num_rows: int, num_groups: int, in_features: int, out_features: 
                 ) -> tuple[int, int, int]:
     """(block_m, block_n, block_k): rows per block near the rows a group expects (decode's few
     rows per expert waste little of a 16-row block, prefill fills 64), the largest N and K
-    blocks that divide the features."""
-    check_supported(in_features=in_features, out_features=out_features)
+    blocks that divide the features (multiples of 16: `check_supported`)."""
     expected = max(1, -(-num_rows // num_groups))
     block_m = next((b for b in BLOCK_M if b >= expected), BLOCK_M[-1])
     block_n = next(b for b in BLOCK_N if out_features % b == 0)
@@ -68,9 +67,8 @@ def block_sizes(num_rows: int, num_groups: int, in_features: int, out_features: 
 
 
 def block_table(group_sizes, block_m: int, num_blocks: int):
-    """i32[num_blocks, 4]: each block's group, first row and its group's end row (and a 0 that
-    pads the row to a power of two); blocks past those the groups need have first row = end
-    row = 0 (no rows)."""
+    """i32[num_blocks, 3]: each block's group, first row and its group's end row; blocks past
+    those the groups need have first row = end row = 0 (no rows)."""
     G = group_sizes.shape[0]
     group_sizes = group_sizes.astype(jnp.int32)
     blocks = (group_sizes + block_m - 1) // block_m
@@ -81,8 +79,7 @@ def block_table(group_sizes, block_m: int, num_blocks: int):
     used = b < block_end[-1]
     start = group_start[g] + (b - (block_end[g] - blocks[g])) * block_m
     end = group_start[g] + group_sizes[g]
-    zero = jnp.zeros_like(b)
-    return jnp.stack([g, jnp.where(used, start, 0), jnp.where(used, end, 0), zero], axis=1)
+    return jnp.stack([g, jnp.where(used, start, 0), jnp.where(used, end, 0)], axis=1)
 
 
 def _kernel(table_ref, x_ref, w_ref, *refs, block_m: int, block_n: int, block_k: int,
@@ -128,9 +125,9 @@ def grouped_matmul_gpu(xs, w, group_sizes, *, scale=None, bias=None, block_m: in
     if K_w != K or group_sizes.shape != (G,):
         raise ValueError(f"grouped matmul of xs {xs.shape} by w {w.shape} with group_sizes "
                          f"{group_sizes.shape}: K or G differ")
-    auto_m, block_n, block_k = block_sizes(M, G, K, N)
     check_supported(in_features=K, out_features=N, num_groups=G,
                     weight_itemsize=w.dtype.itemsize)
+    auto_m, block_n, block_k = block_sizes(M, G, K, N)
     block_m = block_m or auto_m
     num_blocks = -(-M // block_m) + G
     table = block_table(group_sizes, block_m, num_blocks)

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.loading.moe_checkpoint import BIAS_SUFFIX
 from kernels_pallas.grouped_matmul import grouped_matmul_gpu
+from models.loading.moe_checkpoint import BIAS_SUFFIX
 from models.quantization.config import QuantConfig
 from models.quantization import mxfp4
 from models.quantization.moe import SCALE_SUFFIX, QuantizedExperts, expert_matmul, ragged_matmul

@@ -49,13 +49,13 @@ def test_blocks_cover_every_row_of_every_group_once(case):
     table = np.asarray(block_table(jnp.asarray(sizes), block_m, num_blocks))
     written = np.zeros(rows + block_m, int)
     starts = np.cumsum(sizes) - sizes
-    for group, start, end, _ in table:
+    for group, start, end in table:
         if start < end:
             assert starts[group] <= start < end == starts[group] + sizes[group]
             written[start:min(start + block_m, end)] += 1
     assert (written[:sizes.sum()] == 1).all() and (written[sizes.sum():] == 0).all()
     # As many blocks in use as the groups need: each group's rows over whole blocks.
-    assert sum(s < e for _, s, e, _ in table) == sum(-(-sizes // block_m))
+    assert sum(s < e for _, s, e in table) == sum(-(-sizes // block_m))
 
 
 @pytest.mark.parametrize("case", CASES)
